@@ -1,0 +1,105 @@
+"""Engine configuration: frozen dataclasses validated once, plus their CLI flags (spelled as vLLM's)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, fields
+
+from kvserve.errors import InvalidRequestError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{name}: {message}", param=name)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start, validated in ``__post_init__``.
+
+    Attributes:
+        model: a catalog name (see ``kvserve.models.catalog``), a local HF folder or a ``.gguf`` path.
+        dtype: weight and activation dtype, ``float32`` | ``bfloat16`` | ``float16`` | ``auto``
+            (``auto``: float32 on CPU, bfloat16 on CUDA).
+        device: ``auto`` | ``cpu`` | ``cuda`` (``auto``: CUDA when present).
+        max_model_len: longest sequence (prompt + output) in tokens; None: the model's own limit.
+        block_size: tokens per KV block.
+        kv_cache_memory: GiB of memory for the KV cache on CPU.
+        gpu_memory_utilization: fraction of GPU memory the engine may use (weights + KV) on CUDA.
+        num_gpu_blocks_override: exact number of KV blocks (tests and benchmarks), overrides the budget.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        enable_chunked_prefill: split prompts over steps under the budget; off: a prompt is prefilled
+            whole (then ``max_num_batched_tokens`` must be >= ``max_model_len``).
+        num_threads: torch intra-op threads on CPU (None: leave torch's default).
+        seed: seed of the global RNG used by requests without their own seed.
+        skip_tokenizer_init: do not load a tokenizer (prompts must be token ids).
+        served_model_name: the name clients use (default: ``model``).
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    num_threads: int | None = None
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+                 f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+                 f"must be >= 2, got {self.max_model_len}")
+        _require(1 <= self.block_size <= 1024, "block_size", f"must be in [1, 1024], got {self.block_size}")
+        _require(self.kv_cache_memory > 0, "kv_cache_memory", f"must be > 0 GiB, got {self.kv_cache_memory}")
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+                 f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+                 "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
+                 f"must be >= 1, got {self.num_threads}")
+
+    # ---- CLI -----------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add the engine flags, named as vLLM's (``--max-num-seqs``, ``--block-size``, ...)."""
+        d = EngineConfig()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=d.model, help="catalog name, HF folder or .gguf path")
+        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
+                       help="GiB for the KV cache on CPU")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=d.enable_chunked_prefill)
+        g.add_argument("--num-threads", type=int, default=None, help="torch threads (CPU)")
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--skip-tokenizer-init", action="store_true")
+        g.add_argument("--served-model-name", default=None)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)

@@ -1,0 +1,1 @@
+"""The torch-free core: requests, blocks, scheduling. Nothing here imports torch."""

@@ -1,0 +1,77 @@
+"""The scheduler <-> model runner contract: what to compute this step, and what came out of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.core.block_manager import BlockId
+from kvserve.core.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes K/V for ``request.all_token_ids[num_computed_tokens : num_computed_tokens +
+    num_scheduled_tokens]`` at those positions, writing them into ``block_table``'s slots, and samples a
+    token iff ``sample`` (the step reaches the end of the request's known tokens).
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_table: list[BlockId]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the model runner needs for one step; nothing else crosses from scheduler to runner.
+
+    Attributes:
+        scheduled: the requests of this step, running ones first, then newly admitted ones.
+        blocks_to_copy: ``(src, dst)`` block copies to do before the forward pass (copy-on-write).
+        preempted_request_ids: requests preempted by recompute this step (their blocks are already freed).
+        finished_request_ids: requests finished or aborted since the previous step (drop their state).
+    """
+
+    scheduled: list[ScheduledRequest]
+    blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token's and the top-N alternatives (natural log)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced, in the order of the requests that sampled.
+
+    Attributes:
+        req_ids: ids of the requests that sampled a token this step.
+        sampled_token_ids: one token id per entry of ``req_ids``.
+        logprobs: per entry of ``req_ids``, the logprobs when the request asked for them, else None.
+        prompt_logprobs: per request id, logprobs of the prompt positions computed this step
+            (position 0 has none); only for requests that asked for ``prompt_logprobs``.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""Engines: LLMEngine (add_request / abort_request / step) and the offline LLM API."""

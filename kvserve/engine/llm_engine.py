@@ -1,0 +1,324 @@
+"""LLMEngine: requests in, one scheduling step at a time, RequestOutputs out.
+
+    add_request ──▶ Scheduler.waiting ──schedule()──▶ ModelRunner.execute_model ──▶ update_from_output
+                                                                                      │
+    RequestOutput ◀── IncrementalDetokenizer (stop strings) ◀─────────────────────────┘
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.core.block_manager import BlockManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from kvserve.errors import InvalidRequestError, PromptTooLongError
+from kvserve.models.catalog import resolve_model_path
+from kvserve.models.loader import load_weights
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
+from kvserve.tokenizer.tokenizer import Tokenizer
+from kvserve.worker.kv_cache import GiB, block_bytes, num_blocks_for_budget
+from kvserve.worker.model_runner import ModelRunner, build_model
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """``auto`` device: CUDA when present; ``auto`` dtype: float32 on CPU, bfloat16 on CUDA."""
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
+    if config.dtype == "auto":
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    else:
+        dtype = getattr(torch, config.dtype)
+    return device, dtype
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one sample of a request: its Request and detokenizer."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[Any] | None
+
+
+@dataclass
+class _Group:
+    """A user request: ``n`` samples of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence]
+    arrival_time: float
+    prompt_logprobs: list[Any] | None = None
+    first_token_time: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+
+class LLMEngine:
+    """The synchronous engine: a model, a paged KV cache, a scheduler.
+
+    Args:
+        config: the engine configuration.
+
+    Raises:
+        ModelNotFoundError: the model is unknown or not installed.
+        InvalidRequestError: an invalid configuration value.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.device, self.dtype = resolve_device_dtype(config)
+        t0 = time.perf_counter()
+        self.model_path = resolve_model_path(config.model)
+        arch, weights = load_weights(self.model_path)
+        self.arch = arch
+        self.max_model_len = config.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise InvalidRequestError(
+                f"max_model_len: {self.max_model_len} exceeds the model's {arch.max_position_embeddings}",
+                param="max_model_len")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise InvalidRequestError(
+                f"max_num_batched_tokens: {config.max_num_batched_tokens} must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is off", param="max_num_batched_tokens")
+        model = build_model(arch, weights, self.max_model_len, self.dtype, self.device)
+        del weights
+        self.tokenizer: Tokenizer | None = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = Tokenizer.from_path(self.model_path)
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else arch.eos_token_id
+        self.num_blocks = self._num_blocks(model)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.enable_chunked_prefill),
+            self.block_manager)
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device)
+        self.groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, _Group] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        logger.info("loaded %s (%s, %s) in %.1f s: %d KV blocks of %d tokens", config.model, self.device,
+                    self.dtype, time.perf_counter() - t0, self.num_blocks, config.block_size)
+
+    def _num_blocks(self, model: torch.nn.Module) -> int:
+        c = self.config
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * c.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
+            # Reserve for activations of one full step: hidden + MLP intermediates of the token budget.
+            budget -= 8 * c.max_num_batched_tokens * self.arch.intermediate_size * self.dtype.itemsize
+            budget = min(budget, free)
+        else:
+            budget = int(c.kv_cache_memory * GiB)
+        return num_blocks_for_budget(budget, self.arch, c.block_size, self.dtype)
+
+    # ---- requests ------------------------------------------------------------------------------
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        return self.num_blocks * self.config.block_size
+
+    def max_concurrency(self) -> float:
+        """How many requests of ``max_model_len`` tokens the KV cache holds at once."""
+        return self.kv_cache_capacity_tokens / self.max_model_len
+
+    def kv_block_bytes(self) -> int:
+        return block_bytes(self.arch, self.config.block_size, self.dtype)
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'", "prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt: must not be empty", param="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt: text needs a tokenizer (skip_tokenizer_init is set)", "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt: must be a string or a list of token ids", param="prompt")
+        if not prompt:
+            raise InvalidRequestError("prompt: must not be empty", param="prompt")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt: token id {bad} is out of range [0, {vocab})", param="prompt")
+        return None, list(prompt)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
+        """Validate and queue a request; returns its id.
+
+        Raises:
+            InvalidRequestError: empty or malformed prompt, token ids out of range, stop strings without
+                a tokenizer.
+            PromptTooLongError: the prompt leaves no room for one output token within ``max_model_len``,
+                or needs more KV blocks than the whole cache has.
+        """
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request_id: {request_id!r} is already in use", param="request_id")
+        text, ids = self._prompt_ids(prompt)
+        n = len(ids)
+        if n + 1 > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt: this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{n} tokens (no room for any output)", param="prompt")
+        if n + 1 > self.kv_cache_capacity_tokens:
+            raise PromptTooLongError(
+                f"prompt: {n} tokens need more KV blocks than the cache has ({self.num_blocks} blocks of "
+                f"{self.config.block_size} tokens)", param="prompt")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop: stop strings need a tokenizer", param="stop")
+        limit = min(self.max_model_len, self.kv_cache_capacity_tokens) - n
+        max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, text, ids, params, [], arrival)
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = params if params.n == 1 else params.clone(n=1, seed=seed)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(seq_id, ids, child, self.eos_token_id, max_tokens, arrival, priority, cache_salt)
+            detok = IncrementalDetokenizer(self.tokenizer.backend, ids, child) if self.tokenizer else None
+            group.sequences.append(_Sequence(req, i, detok, [] if params.logprobs is not None else None))
+        self.groups[request_id] = group
+        for seq in group.sequences:
+            self._seq_to_group[seq.request.request_id] = group
+            if max_tokens == 0:
+                seq.request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            else:
+                self.scheduler.add_request(seq.request)
+        if group.finished:
+            self._pending.append(self._finish_group(group))
+        return request_id
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); every KV block they held is freed."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for request_id in ids:
+            group = self.groups.get(request_id)
+            if group is None:
+                continue
+            self.scheduler.finish_requests([s.request.request_id for s in group.sequences],
+                                           RequestStatus.FINISHED_ABORTED)
+            self._finish_group(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the outputs of every request that changed.
+
+        An exception inside the model fails only the requests of that step (status ``error``); the
+        engine stays usable.
+        """
+        outputs, self._pending = self._pending, []
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return outputs
+        try:
+            runner_out = self.runner.execute_model(so)
+        except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
+            logger.exception("model step failed; failing its %d requests", len(so.scheduled))
+            failed = {g.request_id: g for g in (self._seq_to_group[s.request.request_id] for s in so.scheduled)}
+            for group in failed.values():
+                seq_ids = [seq.request.request_id for seq in group.sequences]
+                for req in self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ERROR):
+                    req.error = f"{type(e).__name__}: {e}"
+                outputs.append(self._finish_group(group))
+            return outputs
+        updates = self.scheduler.update_from_output(so, runner_out)
+        changed: dict[str, _Group] = {}
+        now = time.monotonic()
+        for upd in updates:
+            group = self._seq_to_group[upd.request.request_id]
+            self._apply_update(group, upd)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            changed[group.request_id] = group
+        for group in changed.values():
+            outputs.append(self._finish_group(group) if group.finished else self._make_output(group))
+        return outputs
+
+    def _apply_update(self, group: _Group, upd: RequestUpdate) -> None:
+        seq = group.sequences[0] if len(group.sequences) == 1 else next(
+            s for s in group.sequences if s.request is upd.request)
+        if seq.logprobs is not None:
+            seq.logprobs.extend(upd.new_logprobs)
+        if seq.detokenizer is not None:
+            stop = seq.detokenizer.update(upd.new_token_ids)
+            if stop is not None and not upd.request.is_finished:
+                upd.request.stop_reason = stop
+                self.scheduler.finish_requests([upd.request.request_id], RequestStatus.FINISHED_STOPPED)
+            elif stop is not None:
+                # Finished on a token in the same step (e.g. max_tokens) but the text hit a stop string.
+                upd.request.stop_reason = stop
+                upd.request.status = RequestStatus.FINISHED_STOPPED
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for seq in group.sequences:
+            req = seq.request
+            finished = req.is_finished
+            text = seq.detokenizer.get_next_output_text(finished, delta=False) if seq.detokenizer else ""
+            outs.append(CompletionOutput(seq.index, text, list(req.output_token_ids),
+                                         list(seq.logprobs) if seq.logprobs is not None else None,
+                                         req.status.finish_reason, req.stop_reason))
+        metrics = {"arrival_time": group.arrival_time}
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        errors = [s.request.error for s in group.sequences if s.request.error]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
+                             group.prompt_logprobs, group.sequences[0].request.num_cached_tokens,
+                             errors[0] if errors else None, metrics)
+
+    def _finish_group(self, group: _Group) -> RequestOutput:
+        self.groups.pop(group.request_id, None)
+        for seq in group.sequences:
+            self._seq_to_group.pop(seq.request.request_id, None)
+        out = self._make_output(group)
+        out.metrics["finished_time"] = time.monotonic()
+        return out
+
+    # ---- stats ---------------------------------------------------------------------------------
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage

@@ -1,0 +1,1 @@
+"""Model building blocks: paged attention, rotary embedding, RMSNorm."""

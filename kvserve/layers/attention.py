@@ -1,0 +1,123 @@
+"""Paged attention: K/V written through ``slot_mapping``, read through per-request block tables.
+
+KV cache of one layer: ``k_cache``, ``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token at position ``p`` of a request lives in slot ``block_table[p // block_size] * block_size +
+p % block_size`` of the flattened ``[num_blocks * block_size, num_kv_heads, head_dim]`` view.
+
+A step's tokens are laid out decodes first, then prefill chunks::
+
+    tokens:  [d0 d1 d2 | p0 p0 p0 p0 p1 p1]      3 decode requests (1 token each), 2 prefill chunks
+    decode group  -> one batched SDPA, query [D, kv_heads, group, head_dim] against gathered K/V
+    prefill group -> one batched SDPA over padded queries [P, max_q] with a causal-with-offset mask
+
+Both groups are batched: there is no Python loop over requests or tokens. GQA is handled by folding the
+query heads of one KV head into the query-length axis, so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the model runner and shared by every layer.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 cache slot of each token of the step.
+        num_decode_tokens: D; the first D tokens are decodes (one per request).
+        decode_block_tables: ``[D, max_blocks]`` int64 (padding entries point at any valid block).
+        decode_mask: ``[D, 1, 1, max_blocks * block_size]`` bool, True where a key is attended.
+        prefill_block_tables: ``[P, max_blocks]`` int64.
+        prefill_mask: ``[P, 1, group * max_q, max_blocks * block_size]`` bool (query heads of one KV head
+            folded into the query axis).
+        prefill_pad_index: ``[num_prefill_tokens]`` int64 position of each prefill token in the padded
+            ``[P * max_q]`` query layout.
+        prefill_max_q: max_q.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_mask: torch.Tensor | None = None
+    prefill_pad_index: torch.Tensor | None = None
+    prefill_max_q: int = 0
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter k, v ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots ``slot_mapping``."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``[B, max_blocks]`` block ids -> K or V ``[B, num_kv_heads, max_blocks * block_size, head_dim]``."""
+    b, nb = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    return cache[block_tables].view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of this step's queries over the cached K/V (this step's K/V must be written first).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` (decode tokens first).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    Returns:
+        ``[num_tokens, num_heads * head_dim]``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    d = meta.num_decode_tokens
+    if d:
+        assert meta.decode_block_tables is not None
+        k = _gather(k_cache, meta.decode_block_tables)
+        v = _gather(v_cache, meta.decode_block_tables)
+        qd = q[:d].view(d, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+        out[:d] = o.reshape(d, num_heads * head_dim)
+    if d < num_tokens:
+        assert meta.prefill_block_tables is not None and meta.prefill_pad_index is not None
+        p, max_q = meta.prefill_block_tables.shape[0], meta.prefill_max_q
+        k = _gather(k_cache, meta.prefill_block_tables)
+        v = _gather(v_cache, meta.prefill_block_tables)
+        qp = q.new_zeros(p * max_q, num_heads, head_dim)
+        qp[meta.prefill_pad_index] = q[d:]
+        # [P, max_q, kv_heads, group, hd] -> [P, kv_heads, group * max_q, hd]
+        qp = qp.view(p, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        qp = qp.reshape(p, num_kv_heads, group * max_q, head_dim)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.prefill_mask, scale=scale)
+        o = o.view(p, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        out[d:] = o.reshape(p * max_q, num_heads * head_dim)[meta.prefill_pad_index]
+    return out
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention of one request over contiguous K/V; the oracle for ``paged_attention``.
+
+    Args:
+        q: ``[q_len, num_heads, head_dim]``, the last q_len positions of the sequence.
+        k, v: ``[kv_len, num_kv_heads, head_dim]`` (kv_len >= q_len).
+    Returns:
+        ``[q_len, num_heads * head_dim]``.
+    """
+    q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, kv_len, hd]
+    vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    qq = q.transpose(0, 1)
+    offset = kv_len - q_len
+    mask = torch.arange(kv_len)[None, :] <= (torch.arange(q_len)[:, None] + offset)
+    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask.to(q.device), scale=scale)
+    return o.transpose(0, 1).reshape(q_len, num_heads * head_dim)

@@ -1,0 +1,1 @@
+"""Model definitions (Llama, Qwen2), the weight loader (GGUF, safetensors) and the named-model catalog."""

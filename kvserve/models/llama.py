@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama, Qwen2): GQA, RoPE, RMSNorm, SwiGLU, optional QKV bias, tied or untied head.
+
+Written against kvserve's paged attention: a forward pass takes the flat tokens of a whole step
+(``[num_tokens]``, many requests) and the KV cache, not padded batches.
+Reference: Touvron et al. 2023 (Llama 2); HF transformers' modeling_llama.py / modeling_qwen2.py for the
+exact numerics we must reproduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.layers.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.layers.layernorm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.models.registry import ModelArchConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k, v fused into one matmul: [q_size + 2 * kv_size, hidden]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        return self.o_proj(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. ``forward`` returns hidden states; ``compute_logits`` applies the LM head only to
+    the rows that sample (logits for every prompt token would cost a fifth of SmolLM2's FLOPs)."""
+
+    def __init__(self, cfg: ModelArchConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions ``[num_tokens]`` -> hidden states ``[num_tokens, hidden_size]``."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[num_rows, hidden_size]`` -> float32 logits ``[num_rows, vocab_size]``."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...), fusing q/k/v and gate/up.
+
+        Raises:
+            ValueError: a tensor is missing or has the wrong shape.
+        """
+        cfg = self.config
+        params = dict(self.named_parameters())
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"weight {name} missing from the checkpoint")
+            return weights[name]
+
+        def put(name: str, value: torch.Tensor) -> None:
+            p = params[name]
+            if p.shape != value.shape:
+                raise ValueError(f"weight {name}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
+            with torch.no_grad():
+                p.copy_(value)
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if not cfg.tie_word_embeddings:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(cfg.num_hidden_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn = src + "self_attn."
+            put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
+            put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
+            put(dst + "self_attn.qkv_proj.weight",
+                torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"], dim=0))
+            if cfg.attention_bias:
+                put(dst + "self_attn.qkv_proj.bias", torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"]))
+            put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
+            mlp = src + "mlp."
+            put(dst + "mlp.gate_up_proj.weight",
+                torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], dim=0))
+            put(dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 is Llama with a bias on q/k/v (``attention_bias``) and, for most sizes, an untied head."""
+
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}

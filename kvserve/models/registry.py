@@ -1,0 +1,83 @@
+"""Model architecture config (read from GGUF metadata or an HF config.json) and arch -> class mapping."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The shape of a decoder-only transformer, in the terms of HF's LlamaConfig / Qwen2Config.
+
+    Attributes:
+        architecture: ``llama`` or ``qwen2``.
+        head_dim: per-head size; ``hidden_size // num_attention_heads`` unless the model says otherwise.
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        max_position_embeddings: the model's context length in tokens.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """``2 × layers × kv_heads × head_dim × dtype_bytes`` (cost-model.md, "KV cache size")."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, path: Path) -> ModelArchConfig:
+        """Read an HF ``config.json``. Raises InvalidRequestError for an unsupported architecture."""
+        c: dict[str, Any] = json.loads(path.read_text())
+        arch = c.get("model_type", "")
+        check_supported(arch)
+        if c.get("rope_scaling"):
+            raise InvalidRequestError(f"model: rope_scaling {c['rope_scaling']} is not supported", param="model")
+        heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        rope_theta = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c["rms_norm_eps"],
+            rope_theta=float(rope_theta),
+            max_position_embeddings=c["max_position_embeddings"],
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bool(c.get("attention_bias", arch == "qwen2")),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+def check_supported(architecture: str) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise InvalidRequestError(
+            f"model: architecture {architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            param="model")

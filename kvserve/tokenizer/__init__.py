@@ -1,0 +1,1 @@
+"""Tokenizer-side helpers: turning generated token ids back into streamed text."""

@@ -1,0 +1,1 @@
+"""The model runner: builds batched inputs from a SchedulerOutput, runs the model, samples."""
