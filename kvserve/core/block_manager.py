@@ -130,5 +130,5 @@ class BlockManager:
             for block_id in table:
                 counts[block_id] += 1
         assert counts == self.ref_counts, "ref counts disagree with block tables"
-        for block_id in range(self.num_blocks):
-            assert (self.ref_counts[block_id] == 0) == (BlockId(block_id) in self.free_queue)
+        for i in range(self.num_blocks):
+            assert (self.ref_counts[i] == 0) == (BlockId(i) in self.free_queue)
