@@ -1,12 +1,6 @@
 """ModelRunner: SchedulerOutput -> one batched forward pass -> sampled tokens (ModelRunnerOutput).
 
-Inputs for the whole step are built with vectorized numpy (no per-token Python), e.g. for two requests
-with ``num_computed_tokens = [5, 0]`` and ``num_scheduled_tokens = [1, 3]``::
-
-    req_idx   = [0, 1, 1, 1]            (np.repeat(arange(R), n))
-    positions = [5, 0, 1, 2]            (c[req_idx] + arange(T) - starts[req_idx])
-    slot      = block_table[req_idx, positions // block_size] * block_size + positions % block_size
-
+Decode requests are ordered first (see ``layers/attention.py``); inputs come from ``input_batch``.
 Logits are computed only at the last scheduled token of requests that sample.
 """
 
@@ -15,14 +9,14 @@ from __future__ import annotations
 import logging
 from itertools import chain
 
-import numpy as np
 import torch
 
-from kvserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
-from kvserve.layers.attention import AttentionMetadata
+from kvserve.core.request import Request
+from kvserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
 from kvserve.sample.sampler import Sampler, SamplingMetadata
+from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -60,55 +54,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 
-    # ---- inputs --------------------------------------------------------------------------------
-    def _prepare(self, order: list[ScheduledRequest], num_decodes: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
-        bs = self.block_size
-        n = np.fromiter((s.num_scheduled_tokens for s in order), dtype=np.int64, count=len(order))
-        c = np.fromiter((s.num_computed_tokens for s in order), dtype=np.int64, count=len(order))
-        num_tokens = int(n.sum())
-        ids = np.fromiter(chain.from_iterable(
-            s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
-            for s in order), dtype=np.int64, count=num_tokens)
-        cu = np.cumsum(n)
-        starts = cu - n
-        req_idx = np.repeat(np.arange(len(order)), n)
-        offsets = np.arange(num_tokens) - starts[req_idx]  # index of each token within its chunk
-        positions = c[req_idx] + offsets
-        max_blocks = max(len(s.block_table) for s in order)
-        bt = np.zeros((len(order), max_blocks), dtype=np.int64)
-        for i, s in enumerate(order):
-            bt[i, :len(s.block_table)] = s.block_table
-        slot = bt[req_idx, positions // bs] * bs + positions % bs
-
-        dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot).to(dev), num_decode_tokens=num_decodes)
-        if num_decodes:
-            seq_lens = c[:num_decodes] + 1
-            nb = -(-int(seq_lens.max()) // bs)
-            meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(bt[:num_decodes, :nb])).to(dev)
-            mask = np.arange(nb * bs)[None, :] < seq_lens[:, None]
-            meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(dev)
-        if num_decodes < len(order):
-            q_lens, cp = n[num_decodes:], c[num_decodes:]
-            kv_lens = cp + q_lens
-            p, max_q = len(q_lens), int(q_lens.max())
-            nb = -(-int(kv_lens.max()) // bs)
-            meta.prefill_block_tables = torch.from_numpy(np.ascontiguousarray(bt[num_decodes:, :nb])).to(dev)
-            meta.prefill_max_q = max_q
-            first = int(starts[num_decodes])
-            pad_index = (req_idx[first:] - num_decodes) * max_q + offsets[first:]
-            meta.prefill_pad_index = torch.from_numpy(pad_index).to(dev)
-            qi = np.arange(max_q)[None, :, None]  # query index within the chunk
-            kj = np.arange(nb * bs)[None, None, :]
-            mask = (kj <= cp[:, None, None] + qi) & (qi < q_lens[:, None, None])
-            mask[:, :, 0] |= np.arange(max_q)[None, :] >= q_lens[:, None]  # padded rows: attend key 0 (no NaN)
-            group = self.arch.num_attention_heads // self.arch.num_key_value_heads
-            mask = np.broadcast_to(mask[:, None], (p, group, max_q, nb * bs)).reshape(p, 1, group * max_q, nb * bs)
-            meta.prefill_mask = torch.from_numpy(np.ascontiguousarray(mask)).to(dev)
-        logits_indices = (cu - 1)[[i for i, s in enumerate(order) if s.sample]]
-        return (torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta, logits_indices)
-
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -125,13 +70,16 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         decodes = [s for s in so.scheduled if s.num_scheduled_tokens == 1]
         order = decodes + [s for s in so.scheduled if s.num_scheduled_tokens > 1]
-        input_ids, positions, meta, logits_indices = self._prepare(order, len(decodes))
+        group = self.arch.num_attention_heads // self.arch.num_key_value_heads
+        batch = prepare_inputs(order, len(decodes), self.block_size, group, self.device)
+        input_ids, positions, meta, logits_indices = batch
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampling = [s for s in order if s.sample]
         if not sampling:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         requests = [s.request for s in sampling]
+        _mask_stop_tokens_before_min_tokens(logits, requests)
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -167,3 +115,21 @@ class ModelRunner:
             g.manual_seed(seed)
             self.generators[request_id] = g
         return g
+
+
+def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """``min_tokens`` (as vLLM): EOS and stop token ids cannot be sampled before that many outputs.
+
+    logits ``[num_sampling, vocab]`` are edited in place (rows of requests still under min_tokens only).
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, r in enumerate(requests):
+        p = r.sampling_params
+        if r.num_output_tokens >= p.min_tokens:
+            continue
+        banned = list(p.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else [])
+        rows += [row] * len(banned)
+        cols += banned
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")

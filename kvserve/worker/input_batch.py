@@ -1,0 +1,76 @@
+"""Step inputs: flatten the scheduled requests into input_ids, positions, slot_mapping and attention metadata.
+
+Everything is vectorized numpy (no per-token Python), e.g. for two requests with
+``num_computed_tokens = [5, 0]`` and ``num_scheduled_tokens = [1, 3]``::
+
+    req_idx   = [0, 1, 1, 1]            (np.repeat(arange(R), n))
+    positions = [5, 0, 1, 2]            (c[req_idx] + arange(T) - starts[req_idx])
+    slot      = block_table[req_idx, positions // block_size] * block_size + positions % block_size
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+import torch
+
+from kvserve.core.scheduler_output import ScheduledRequest
+from kvserve.layers.attention import AttentionMetadata
+
+
+def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: int, group: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+    """Flatten a step's requests into model inputs.
+
+    Args:
+        order: the scheduled requests, the ``num_decodes`` one-token requests first.
+        group: query heads per KV head (GQA).
+    Returns:
+        input_ids ``[T]``, positions ``[T]``, attention metadata, and ``logits_indices`` (numpy
+        ``[num_sampling]``: the flat index of the last token of each request that samples).
+    """
+    bs = block_size
+    n = np.fromiter((s.num_scheduled_tokens for s in order), dtype=np.int64, count=len(order))
+    c = np.fromiter((s.num_computed_tokens for s in order), dtype=np.int64, count=len(order))
+    num_tokens = int(n.sum())
+    ids = np.fromiter(chain.from_iterable(
+        s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
+        for s in order), dtype=np.int64, count=num_tokens)
+    cu = np.cumsum(n)
+    starts = cu - n
+    req_idx = np.repeat(np.arange(len(order)), n)
+    offsets = np.arange(num_tokens) - starts[req_idx]  # index of each token within its chunk
+    positions = c[req_idx] + offsets
+    max_blocks = max(len(s.block_table) for s in order)
+    bt = np.zeros((len(order), max_blocks), dtype=np.int64)
+    for i, s in enumerate(order):
+        bt[i, :len(s.block_table)] = s.block_table
+    slot = bt[req_idx, positions // bs] * bs + positions % bs
+
+    dev = device
+    meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot).to(dev), num_decode_tokens=num_decodes)
+    if num_decodes:
+        seq_lens = c[:num_decodes] + 1
+        nb = -(-int(seq_lens.max()) // bs)
+        meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(bt[:num_decodes, :nb])).to(dev)
+        mask = np.arange(nb * bs)[None, :] < seq_lens[:, None]
+        meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(dev)
+    if num_decodes < len(order):
+        q_lens, cp = n[num_decodes:], c[num_decodes:]
+        kv_lens = cp + q_lens
+        p, max_q = len(q_lens), int(q_lens.max())
+        nb = -(-int(kv_lens.max()) // bs)
+        meta.prefill_block_tables = torch.from_numpy(np.ascontiguousarray(bt[num_decodes:, :nb])).to(dev)
+        meta.prefill_max_q = max_q
+        first = int(starts[num_decodes])
+        pad_index = (req_idx[first:] - num_decodes) * max_q + offsets[first:]
+        meta.prefill_pad_index = torch.from_numpy(pad_index).to(dev)
+        qi = np.arange(max_q)[None, :, None]  # query index within the chunk
+        kj = np.arange(nb * bs)[None, None, :]
+        mask = (kj <= cp[:, None, None] + qi) & (qi < q_lens[:, None, None])
+        mask[:, :, 0] |= np.arange(max_q)[None, :] >= q_lens[:, None]  # padded rows: attend key 0 (no NaN)
+        mask = np.broadcast_to(mask[:, None], (p, group, max_q, nb * bs)).reshape(p, 1, group * max_q, nb * bs)
+        meta.prefill_mask = torch.from_numpy(np.ascontiguousarray(mask)).to(dev)
+    logits_indices = (cu - 1)[[i for i, s in enumerate(order) if s.sample]]
+    return (torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta, logits_indices)

@@ -1,0 +1,49 @@
+"""Shared fixtures: the default real model, loaded once per test session, and its HF transformers twin."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kvserve.engine.llm_engine as llm_engine_module
+from kvserve.models.catalog import resolve_model_path
+from kvserve.models.loader import load_weights
+
+# Tests share 2 cores with whatever else runs; 2 OpenMP threads under contention can be 10x slower.
+torch.set_num_threads(int(os.environ.get("KVSERVE_TEST_THREADS", "1")))
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_weights(path: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    return load_weights(path)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _share_loaded_weights() -> Any:
+    """Dequantizing the GGUF takes seconds; every engine in the session reuses one copy of the tensors."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(llm_engine_module, "load_weights", _cached_weights)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: Path) -> Any:
+    """HF transformers' own model from the same GGUF file: the correctness oracle (fp32, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
