@@ -323,22 +323,30 @@ def test_a_request_that_cannot_grow_preempts_itself_when_it_is_the_newest() -> N
 
 
 def test_no_admission_in_a_step_that_preempted() -> None:
-    sched = make_scheduler(num_blocks=5, block_size=2, max_num_batched_tokens=64)
-    sched.add_request(make_request("r1", 2, 4))
+    sched = make_scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=3)
+    sched.add_request(make_request("r1", 3, 4))
     sched.add_request(make_request("r2", 2, 4))
-    step(sched)  # r1: [0], r2: [1]
-    step(sched)  # r1: [0, 2], r2: [1, 3]
-    sched.add_request(make_request("r3", 1, 1))
-    out, _ = step(sched)  # r1 and r2 fit (4 tokens each); r3 takes block 4
-    assert plan(out) == [("r1", 3, 1, True), ("r2", 3, 1, True), ("r3", 0, 1, True)]
-    sched.add_request(make_request("r4", 1, 1))
-    sched.block_manager.check_invariants()
-    assert sched.block_manager.num_free_blocks == 1  # r3 finished and gave back block 4
+    assert plan(step(sched)[0]) == [("r1", 0, 3, True)]
     out, _ = step(sched)
-    # r1 takes the last block, r2 has to preempt itself: r4 is not admitted in this step
+    assert plan(out) == [("r1", 3, 1, True), ("r2", 0, 2, True)]
+    assert tables(out) == {"r1": [0, 1], "r2": [2]}
+    # r1 takes the last free block; r2 (3 tokens) needs a second one and preempts itself. A 2-token chunk
+    # of r2 would fit block 2 again, but nothing is admitted in a step that had to preempt.
+    out, _ = step(sched)
     assert plan(out) == [("r1", 4, 1, True)]
+    assert tables(out) == {"r1": [0, 1, 3]}
     assert out.preempted_request_ids == ["r2"]
-    assert [r.request_id for r in sched.waiting] == ["r2", "r4"]
+    assert list(sched.block_manager.free_queue) == [2]
+    out, _ = step(sched)
+    assert plan(out) == [("r1", 5, 1, True), ("r2", 0, 2, False)]
+    assert tables(out) == {"r1": [0, 1, 3], "r2": [2]}
+    out, _ = step(sched)
+    assert plan(out) == [("r2", 2, 1, True)]
+    assert tables(out) == {"r2": [2, 3]}
+    assert out.finished_request_ids == ["r1"]
+    run_to_completion(sched)
+    assert sched.num_preemptions == 1
+    assert sched.block_manager.num_used_blocks == 0
 
 
 def test_preempted_request_goes_in_front_of_older_waiting_requests() -> None:
@@ -530,8 +538,10 @@ def test_random_adds_aborts_and_steps(seed: int) -> None:
     aborted: set[str] = set()
     next_id = 0
 
-    def check_step(out: SchedulerOutput) -> None:
-        """Checks of a planned step, before update_from_output moves the requests on."""
+    def plan_step() -> SchedulerOutput:
+        """Schedule and check the plan, before update_from_output moves the requests on."""
+        running_before = [r.request_id for r in sched.running]
+        out = sched.schedule()
         bm.check_invariants()
         assert out.total_num_scheduled_tokens <= budget
         assert len(out.scheduled) <= sched.config.max_num_seqs
@@ -542,7 +552,19 @@ def test_random_adds_aborts_and_steps(seed: int) -> None:
             assert s.sample == (s.num_computed_tokens + s.num_scheduled_tokens == s.request.num_tokens)
         used = {b for table in bm.block_tables.values() for b in table}
         assert bm.num_used_blocks == len(used)
-        assert set(bm.block_tables) <= {r.request_id for r in sched.running}
+        # victims are the most recently admitted, newest first, and go to the front of waiting in order
+        k = len(out.preempted_request_ids)
+        if k:
+            assert out.preempted_request_ids == running_before[::-1][:k]
+            assert [r.request_id for r in list(sched.waiting)[:k]] == running_before[-k:]
+        assert [r.request_id for r in sched.running][: len(running_before) - k] == running_before[: len(
+            running_before) - k]
+        assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.num_computed_tokens == 0
+            assert r.request_id not in bm.block_tables
+        return out
 
     for _ in range(200):
         if rng.random() < 0.35:
@@ -557,8 +579,7 @@ def test_random_adds_aborts_and_steps(seed: int) -> None:
             assert [r.request_id for r in sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)] == [
                 victim]
             aborted.add(victim)
-        out = sched.schedule()
-        check_step(out)
+        out = plan_step()
         runner_output = runner.run(out)
         if rng.random() < 0.05 and out.scheduled:
             victim = rng.choice(out.scheduled).request.request_id  # aborted while the step runs
@@ -569,8 +590,7 @@ def test_random_adds_aborts_and_steps(seed: int) -> None:
 
     steps = 0
     while sched.has_unfinished_requests():
-        out = sched.schedule()
-        check_step(out)
+        out = plan_step()
         sched.update_from_output(out, runner.run(out))
         bm.check_invariants()
         steps += 1
