@@ -7,19 +7,25 @@ p % block_size`` of the flattened ``[num_blocks * block_size, num_kv_heads, head
 A step's tokens are laid out decodes first, then prefill chunks::
 
     tokens:  [d0 d1 d2 | p0 p0 p0 p0 p1 p1]      3 decode requests (1 token each), 2 prefill chunks
-    decode group  -> one batched SDPA, query [D, kv_heads, group, head_dim] against gathered K/V
+    decode group  -> batched SDPA, query [D, kv_heads, group, head_dim] against gathered K/V
     prefill group -> one batched SDPA over padded queries [P, max_q] with a causal-with-offset mask
 
-Both groups are batched: there is no Python loop over requests or tokens. GQA is handled by folding the
-query heads of one KV head into the query-length axis, so K/V are never repeated.
+Decodes are sorted by length and split into a few buckets (at most ``MAX_DECODE_BUCKETS``), each padded
+only to its own longest sequence: K/V gathering and attention are memory-bound, and padding every
+request to the batch's longest would read up to ~2x the bytes. There is no Python loop over requests
+or tokens. GQA is handled by folding the query heads of one KV head into the query-length axis, so K/V
+are never repeated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+MAX_DECODE_BUCKETS = 4
+MIN_DECODE_BUCKET = 8  # requests; smaller buckets cost more in per-call overhead than padding saves
 
 
 @dataclass
@@ -28,9 +34,10 @@ class AttentionMetadata:
 
     Attributes:
         slot_mapping: ``[num_tokens]`` int64 cache slot of each token of the step.
-        num_decode_tokens: D; the first D tokens are decodes (one per request).
-        decode_block_tables: ``[D, max_blocks]`` int64 (padding entries point at any valid block).
-        decode_mask: ``[D, 1, 1, max_blocks * block_size]`` bool, True where a key is attended.
+        num_decode_tokens: D; the first D tokens are decodes (one per request), sorted by length.
+        decode_buckets: ``(start, end, block_tables, mask)`` per bucket of decodes ``[start, end)``:
+            block_tables ``[end - start, max_blocks]`` int64 (padding entries point at any valid block),
+            mask ``[end - start, 1, 1, max_blocks * block_size]`` bool, True where a key is attended.
         prefill_block_tables: ``[P, max_blocks]`` int64.
         prefill_mask: ``[P, 1, group * max_q, max_blocks * block_size]`` bool (query heads of one KV head
             folded into the query axis).
@@ -41,8 +48,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_buckets: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     prefill_block_tables: torch.Tensor | None = None
     prefill_mask: torch.Tensor | None = None
     prefill_pad_index: torch.Tensor | None = None
@@ -61,7 +67,9 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """``[B, max_blocks]`` block ids -> K or V ``[B, num_kv_heads, max_blocks * block_size, head_dim]``."""
     b, nb = block_tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
-    return cache[block_tables].view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    # index_select on the flattened table is ~2x faster than advanced indexing cache[block_tables] on CPU.
+    blocks = cache.index_select(0, block_tables.reshape(-1))
+    return blocks.view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -79,13 +87,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
     d = meta.num_decode_tokens
-    if d:
-        assert meta.decode_block_tables is not None
-        k = _gather(k_cache, meta.decode_block_tables)
-        v = _gather(v_cache, meta.decode_block_tables)
-        qd = q[:d].view(d, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[:d] = o.reshape(d, num_heads * head_dim)
+    for start, end, block_tables, mask in meta.decode_buckets:
+        k = _gather(k_cache, block_tables)
+        v = _gather(v_cache, block_tables)
+        qd = q[start:end].view(end - start, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o.reshape(end - start, num_heads * head_dim)
     if d < num_tokens:
         assert meta.prefill_block_tables is not None and meta.prefill_pad_index is not None
         p, max_q = meta.prefill_block_tables.shape[0], meta.prefill_max_q

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvserve.core.scheduler_output import ScheduledRequest
-from kvserve.layers.attention import AttentionMetadata
+from kvserve.layers.attention import MAX_DECODE_BUCKETS, MIN_DECODE_BUCKET, AttentionMetadata
 
 
 def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: int, group: int,
@@ -24,7 +24,8 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
     """Flatten a step's requests into model inputs.
 
     Args:
-        order: the scheduled requests, the ``num_decodes`` one-token requests first.
+        order: the scheduled requests, the ``num_decodes`` one-token requests first (sorted by length,
+            so that decode buckets pad little).
         group: query heads per KV head (GQA).
     Returns:
         input_ids ``[T]``, positions ``[T]``, attention metadata, and ``logits_indices`` (numpy
@@ -52,10 +53,14 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
     meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot).to(dev), num_decode_tokens=num_decodes)
     if num_decodes:
         seq_lens = c[:num_decodes] + 1
-        nb = -(-int(seq_lens.max()) // bs)
-        meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(bt[:num_decodes, :nb])).to(dev)
-        mask = np.arange(nb * bs)[None, :] < seq_lens[:, None]
-        meta.decode_mask = torch.from_numpy(mask[:, None, None, :]).to(dev)
+        num_buckets = max(1, min(MAX_DECODE_BUCKETS, num_decodes // MIN_DECODE_BUCKET))
+        bounds = np.linspace(0, num_decodes, num_buckets + 1).astype(np.int64)
+        for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            lens = seq_lens[start:end]
+            nb = -(-int(lens.max()) // bs)
+            mask = np.arange(nb * bs)[None, :] < lens[:, None]
+            meta.decode_buckets.append((start, end, torch.from_numpy(np.ascontiguousarray(bt[start:end, :nb])).to(dev),
+                                        torch.from_numpy(mask[:, None, None, :]).to(dev)))
     if num_decodes < len(order):
         q_lens, cp = n[num_decodes:], c[num_decodes:]
         kv_lens = cp + q_lens

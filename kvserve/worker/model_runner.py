@@ -68,7 +68,7 @@ class ModelRunner:
                 v_cache[dst] = v_cache[src]
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        decodes = [s for s in so.scheduled if s.num_scheduled_tokens == 1]
+        decodes = sorted((s for s in so.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.num_computed_tokens)
         order = decodes + [s for s in so.scheduled if s.num_scheduled_tokens > 1]
         group = self.arch.num_attention_heads // self.arch.num_key_value_heads
         batch = prepare_inputs(order, len(decodes), self.block_size, group, self.device)

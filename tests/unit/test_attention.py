@@ -67,5 +67,34 @@ def test_slot_mapping_and_positions_exact() -> None:
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 36, 37, 38]
     assert ids.tolist() == [6, 1, 2, 3]
     assert logits_idx.tolist() == [0, 3]
-    assert meta.decode_block_tables is not None and meta.decode_block_tables.tolist() == [[7, 2]]
+    assert [(a, b, t.tolist()) for a, b, t, _ in meta.decode_buckets] == [(0, 1, [[7, 2]])]
+    assert meta.decode_buckets[0][3].view(-1).tolist() == [True] * 6 + [False] * 2
     assert meta.prefill_pad_index is not None and meta.prefill_pad_index.tolist() == [0, 1, 2]
+
+
+def test_many_decodes_split_into_length_buckets() -> None:
+    g = torch.Generator().manual_seed(3)
+    block_size, num_heads, num_kv_heads, head_dim = 4, 6, 2, 8
+    lens = sorted(torch.randint(1, 60, (21,), generator=g).tolist())
+    num_blocks = sum(-(-n // block_size) for n in lens) + 1
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    order, seqs = [], []
+    for n in lens:
+        nb = -(-n // block_size)
+        table, perm = perm[:nb], perm[nb:]
+        order.append(_scheduled(n - 1, 1, table))
+        seqs.append((torch.randn(n, num_kv_heads, head_dim, generator=g),
+                     torch.randn(n, num_kv_heads, head_dim, generator=g),
+                     torch.randn(1, num_heads, head_dim, generator=g)))
+    _, _, meta, _ = prepare_inputs(order, len(order), block_size, num_heads // num_kv_heads, torch.device("cpu"))
+    assert [(a, b) for a, b, _, _ in meta.decode_buckets] == [(0, 10), (10, 21)]
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    for s, (k, v, _) in zip(order, seqs, strict=True):
+        pos = torch.arange(k.shape[0])
+        slots = torch.tensor(s.block_table)[pos // block_size] * block_size + pos % block_size
+        write_kv(k, v, k_cache, v_cache, slots)
+    q = torch.cat([q for _, _, q in seqs])
+    out = paged_attention(q, k_cache, v_cache, meta, 0.3)
+    expected = torch.cat([reference_attention(q, k, v, 0.3) for k, v, q in seqs])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
