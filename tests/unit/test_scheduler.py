@@ -146,8 +146,6 @@ def test_core_modules_do_not_import_torch() -> None:
     assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="kvserve/__init__.py imports LLM/LLMEngine eagerly, and they import "
-                   "torch; make those exports lazy (module __getattr__) and drop this marker")
 def test_importing_the_scheduler_does_not_import_torch() -> None:
     result = _import_scheduler_without_torch()
     assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr
