@@ -19,11 +19,11 @@ kvserve's measured step next to that bound, at several batch sizes, in one run o
   (100 % = running at the memory bound). Also shown, because fp32 on 1-2 cores becomes compute-bound at
   modest batch: the compute bound 2 x (linear weights) x B FLOPs (+ attention) / measured GEMM peak (best of
   a 1024^3 float32/bfloat16 matmul), and the % against the larger of the two bounds;
-* **measured step**: B requests of 32 random prompt ids (fixed seed) with enough max_tokens are added to an
-  ``LLMEngine``; steps run until every request is decoding (no prefill left), a few more warm up, then
-  ``--steps`` calls of ``engine.step()`` are timed one by one (median reported). A first pass runs with no
-  instrumentation; a second pass of the same length runs with timers patched into instance methods, so the
-  two step times show the instrumentation's own cost;
+* **measured step**: B requests of 32 (``--prompt-len``) random prompt ids (fixed seed) with enough
+  max_tokens are added to an ``LLMEngine``; steps run until every request is decoding (no prefill left),
+  a few more warm up, then ``--steps`` calls of ``engine.step()`` are timed one by one (median reported).
+  A first pass runs with no instrumentation; a second pass of the same length runs with timers patched
+  into instance methods, so the two step times show the instrumentation's own cost;
 * **outside the forward**: ``engine.runner.model.forward`` is monkeypatched on the instance to accumulate
   its wall time; (step - forward) / step is the share of each step spent outside the model's forward
   (scheduler, input preparation, LM head, sampler, bookkeeping, detokenizer). It is broken down with
@@ -222,7 +222,7 @@ def run_batch(engine: Any, batch: int, args: argparse.Namespace, bw: dict[str, f
     sched = engine.scheduler
     max_tokens = WARMUP_DECODE_STEPS + 2 * args.steps + args.profile + 16
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(None, [rng.randint(1000, 40000) for _ in range(PROMPT_LEN)], params)
+    ids = [engine.add_request(None, [rng.randint(1000, 40000) for _ in range(args.prompt_len)], params)
            for _ in range(batch)]
     reqs = [sched.requests[i] for i in ids]
 
@@ -341,6 +341,8 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per pass (two passes per batch size)")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
+                    help="random prompt ids per request (longer prompts: more KV read per step)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bw-mib", type=int, default=512, help="size of the bandwidth probe tensor")
     ap.add_argument("--bw-repeats", type=int, default=7)
@@ -379,7 +381,8 @@ def main() -> None:
               flush=True)
 
     result = dict(benchmark="decode_roofline", model=args.model, dtype=dtype_name, num_threads=args.num_threads,
-                  prompt_len=PROMPT_LEN, args=vars(args), env=env, bandwidth=bw, bandwidth_contention=c_bw.as_dict(),
+                  prompt_len=args.prompt_len, args=vars(args), env=env, bandwidth=bw,
+                  bandwidth_contention=c_bw.as_dict(),
                   gemm_peak_gflops=peak, engine_config=engine.config.to_dict(), results=rows_out,
                   loadavg_at_end=[round(x, 2) for x in os.getloadavg()])
     path = common.write_result("decode_roofline", result, args.out)

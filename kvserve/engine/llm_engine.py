@@ -302,6 +302,9 @@ class LLMEngine:
         metrics = {"arrival_time": group.arrival_time}
         if group.first_token_time is not None:
             metrics["first_token_time"] = group.first_token_time
+        scheduled = group.sequences[0].request.first_scheduled_time
+        if scheduled is not None:  # queue time = first_scheduled_time - arrival_time (server metrics)
+            metrics["first_scheduled_time"] = scheduled
         errors = [s.request.error for s in group.sequences if s.request.error]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
                              group.prompt_logprobs, group.sequences[0].request.num_cached_tokens,

@@ -1,6 +1,7 @@
-"""The ``kvserve`` command: ``kvserve generate`` (offline completion of one prompt).
+"""The ``kvserve`` command: ``kvserve generate`` (offline completion) and ``kvserve serve`` (OpenAI server).
 
     kvserve generate --model smollm2-135m-instruct --prompt "The capital of France is" --max-tokens 32
+    kvserve serve --model smollm2-135m-instruct --port 8000
 """
 
 from __future__ import annotations
@@ -66,7 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     EngineConfig.add_cli_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    EngineConfig.add_cli_args(serve)
+    from kvserve.entrypoints.openai.server import add_server_args
+
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.openai.server import run_server
+
+    return run_server(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.layers.cpu_kernels import paged_decode_attention
+
 MAX_DECODE_BUCKETS = 4
 MIN_DECODE_BUCKET = 8  # requests; smaller buckets cost more in per-call overhead than padding saves
 
@@ -38,6 +40,8 @@ class AttentionMetadata:
         decode_buckets: ``(start, end, block_tables, mask)`` per bucket of decodes ``[start, end)``:
             block_tables ``[end - start, max_blocks]`` int64 (padding entries point at any valid block),
             mask ``[end - start, 1, 1, max_blocks * block_size]`` bool, True where a key is attended.
+        native_decode: instead of buckets, ``(block_tables [D, max_blocks], seq_lens [D])`` int64 for the
+            compiled CPU kernel (float32 caches on CPU; see ``cpu_kernels.py``).
         prefill_block_tables: ``[P, max_blocks]`` int64.
         prefill_mask: ``[P, 1, group * max_q, max_blocks * block_size]`` bool (query heads of one KV head
             folded into the query axis).
@@ -49,6 +53,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode_buckets: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    native_decode: tuple[torch.Tensor, torch.Tensor] | None = None
     prefill_block_tables: torch.Tensor | None = None
     prefill_mask: torch.Tensor | None = None
     prefill_pad_index: torch.Tensor | None = None
@@ -87,6 +92,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     out = q.new_empty(num_tokens, num_heads * head_dim)
     d = meta.num_decode_tokens
+    if meta.native_decode is not None and d:
+        block_tables, seq_lens = meta.native_decode
+        qd = q[:d].view(d, num_kv_heads, group, head_dim)
+        o = paged_decode_attention(qd, k_cache, v_cache, block_tables, seq_lens, scale)
+        out[:d] = o.view(d, num_heads * head_dim)
     for start, end, block_tables, mask in meta.decode_buckets:
         k = _gather(k_cache, block_tables)
         v = _gather(v_cache, block_tables)

@@ -20,13 +20,15 @@ from kvserve.layers.attention import MAX_DECODE_BUCKETS, MIN_DECODE_BUCKET, Atte
 
 
 def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: int, group: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+                   device: torch.device, native_decode: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
     """Flatten a step's requests into model inputs.
 
     Args:
         order: the scheduled requests, the ``num_decodes`` one-token requests first (sorted by length,
             so that decode buckets pad little).
         group: query heads per KV head (GQA).
+        native_decode: build the decode metadata for the compiled CPU kernel instead of torch buckets.
     Returns:
         input_ids ``[T]``, positions ``[T]``, attention metadata, and ``logits_indices`` (numpy
         ``[num_sampling]``: the flat index of the last token of each request that samples).
@@ -51,7 +53,12 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
 
     dev = device
     meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot).to(dev), num_decode_tokens=num_decodes)
-    if num_decodes:
+    if num_decodes and native_decode:
+        seq_lens = c[:num_decodes] + 1
+        nb = -(-int(seq_lens.max()) // bs)
+        meta.native_decode = (torch.from_numpy(np.ascontiguousarray(bt[:num_decodes, :nb])),
+                              torch.from_numpy(seq_lens))
+    elif num_decodes:
         seq_lens = c[:num_decodes] + 1
         num_buckets = max(1, min(MAX_DECODE_BUCKETS, num_decodes // MIN_DECODE_BUCKET))
         bounds = np.linspace(0, num_decodes, num_buckets + 1).astype(np.int64)

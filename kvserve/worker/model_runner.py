@@ -13,6 +13,7 @@ import torch
 
 from kvserve.core.request import Request
 from kvserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.layers.cpu_kernels import native_available
 from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
 from kvserve.sample.sampler import Sampler, SamplingMetadata
@@ -51,6 +52,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, device)
+        # The compiled kernel reads float32 caches in place on CPU; other cases use the torch path.
+        self.native_decode = device.type == "cpu" and self.dtype == torch.float32 and native_available()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 
@@ -71,7 +74,7 @@ class ModelRunner:
         decodes = sorted((s for s in so.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.num_computed_tokens)
         order = decodes + [s for s in so.scheduled if s.num_scheduled_tokens > 1]
         group = self.arch.num_attention_heads // self.arch.num_key_value_heads
-        batch = prepare_inputs(order, len(decodes), self.block_size, group, self.device)
+        batch = prepare_inputs(order, len(decodes), self.block_size, group, self.device, self.native_decode)
         input_ids, positions, meta, logits_indices = batch
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampling = [s for s in order if s.sample]

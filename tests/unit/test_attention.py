@@ -10,6 +10,7 @@ import torch
 from kvserve.core.request import Request
 from kvserve.core.scheduler_output import ScheduledRequest
 from kvserve.layers.attention import paged_attention, reference_attention, write_kv
+from kvserve.layers.cpu_kernels import native_available
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.input_batch import prepare_inputs
 
@@ -19,9 +20,12 @@ def _scheduled(num_computed: int, num_new: int, table: list[int]) -> ScheduledRe
     return ScheduledRequest(req, num_computed, num_new, table, sample=True)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (9, 3)])
-def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: int, native: bool) -> None:
+    if native and not native_available():
+        pytest.skip("no C compiler: the native decode kernel is unavailable")
     g = torch.Generator().manual_seed(block_size * 100 + num_heads)
     head_dim, num_blocks = 8, 128
     # (num_computed, num_new): 3 decodes, then prefills (fresh, chunk after a cached prefix, 1-block exact)
@@ -40,7 +44,8 @@ def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: 
                      torch.randn(n, num_heads, head_dim, generator=g)))
     num_decodes = sum(1 for _, n in shapes if n == 1)
     _, _, meta, _ = prepare_inputs(order, num_decodes, block_size, num_heads // num_kv_heads,
-                                   torch.device("cpu"))
+                                   torch.device("cpu"), native_decode=native)
+    assert (meta.native_decode is not None) == native and bool(meta.decode_buckets) != native
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
     # The cached prefix is written as an earlier step would have; this step's K/V through slot_mapping.
@@ -98,3 +103,27 @@ def test_many_decodes_split_into_length_buckets() -> None:
     out = paged_attention(q, k_cache, v_cache, meta, 0.3)
     expected = torch.cat([reference_attention(q, k, v, 0.3) for k, v, q in seqs])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_native_kernel_matches_torch_for_head_dims(head_dim: int) -> None:
+    if not native_available():
+        pytest.skip("no C compiler: the native decode kernel is unavailable")
+    from kvserve.layers.cpu_kernels import paged_decode_attention
+
+    g = torch.Generator().manual_seed(head_dim)
+    num_blocks, block_size, kvh, group = 40, 8, 2, 4
+    kc = torch.randn(num_blocks, block_size, kvh, head_dim, generator=g)
+    vc = torch.randn(num_blocks, block_size, kvh, head_dim, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[:30].view(3, 10)
+    lens = torch.tensor([1, 37, 80])
+    q = torch.randn(3, kvh, group, head_dim, generator=g)
+    out = paged_decode_attention(q, kc, vc, tables, lens, 0.2)
+    for i in range(3):
+        n = int(lens[i])
+        pos = torch.arange(n)
+        slots = tables[i][pos // block_size] * block_size + pos % block_size
+        k = kc.view(-1, kvh, head_dim)[slots]
+        v = vc.view(-1, kvh, head_dim)[slots]
+        ref = reference_attention(q[i].reshape(1, kvh * group, head_dim), k, v, 0.2)
+        torch.testing.assert_close(out[i].reshape(1, -1), ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,332 @@
+"""AsyncLLM: the synchronous LLMEngine behind an asyncio API, for the server.
+
+    asyncio event loop (HTTP)                    engine loop thread (owns the LLMEngine)
+    ─────────────────────────                    ──────────────────────────────────────
+    add_request() ──▶ inbox (deque + Condition) ──▶ add / abort between steps
+    RequestStream ◀── call_soon_threadsafe ◀──────── step() outputs, once per step
+
+The engine is not thread-safe: only the loop thread ever touches it. The HTTP side hands adds and aborts
+over through the inbox; the loop thread drains the inbox before every step and sleeps on the condition
+when there is nothing to do (no busy polling). Outputs go back with one ``call_soon_threadsafe`` per step.
+
+Each request's outputs are cumulative snapshots (whole text so far), so a :class:`RequestStream` keeps only
+the newest one: a slow client never makes outputs pile up, it just gets bigger deltas.
+
+If the loop itself crashes (not a model error, which the engine confines to the requests of that step),
+the AsyncLLM is dead: every open stream fails with :class:`EngineDeadError`, new requests are refused,
+and the server's ``/health`` answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvserve.errors import EngineDeadError, KVServeError
+from kvserve.metrics import EngineMetrics
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.llm_engine import LLMEngine, PromptType
+
+logger = logging.getLogger(__name__)
+
+# While requests wait but none can be scheduled (nothing running), wait this long between tries (s).
+_STALL_WAIT_S = 0.01
+
+
+class TooManyRequestsError(KVServeError):
+    """More requests are waiting than ``max_waiting_requests`` allows (HTTP 429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    cache_salt: str | None
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of cumulative :class:`RequestOutput` snapshots.
+
+    Iteration ends after the output with ``finished`` set; it raises the error of a request that could not
+    be added (``InvalidRequestError`` ...), or ``EngineDeadError``. Leaving early (``abort()``, or a
+    cancelled consumer in a ``try/finally`` that calls it) aborts the request in the engine.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncLLM) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self._accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.finished = False
+
+    # ---- event loop side, called by AsyncLLM ---------------------------------------------------
+    def _accept(self, error: BaseException | None) -> None:
+        if self._accepted.done():
+            return
+        if error is None:
+            self._accepted.set_result(None)
+        else:
+            self._fail(error)
+
+    def _put(self, out: RequestOutput) -> None:
+        self._latest = out  # cumulative: the newest snapshot replaces an unread older one
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+        if not self._accepted.done():
+            self._accepted.set_exception(error)
+            self._accepted.exception()  # mark retrieved (no "never retrieved" log); awaiting still raises
+
+    # ---- consumer side -------------------------------------------------------------------------
+    async def accepted(self) -> None:
+        """Wait until the engine queued the request.
+
+        Raises:
+            InvalidRequestError, PromptTooLongError, TooManyRequestsError, EngineDeadError: not queued.
+        """
+        await self._accepted
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        while self._latest is None and self._error is None:
+            self._event.clear()
+            await self._event.wait()
+        out = self._latest
+        if out is None:
+            self.finished = True
+            assert self._error is not None
+            raise self._error
+        self._latest = None
+        if out.finished:
+            self.finished = True
+        return out
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; its KV blocks are freed before the next step."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """An :class:`LLMEngine` driven by one background thread, with per-request async streams.
+
+    Args:
+        engine: the engine; from now on only the loop thread touches it.
+        metrics: Prometheus metrics to feed (a new :class:`EngineMetrics` when None).
+        max_waiting_requests: refuse (429) a request when more sequences than this would wait for a batch
+            slot; None: no limit.
+
+    Call :meth:`start` from the running event loop, :meth:`shutdown` to stop.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None,
+                 max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        name = engine.config.served_model_name or engine.config.model
+        self.metrics = metrics or EngineMetrics(name)
+        self.max_waiting_requests = max_waiting_requests
+        self._cond = threading.Condition()
+        self._inbox: deque[_Add | _Abort] = deque()
+        self._stopping = False
+        self._dead: EngineDeadError | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}  # event loop thread only
+        self._live: set[str] = set()  # loop thread only: ids inside the engine
+        self._ids = itertools.count()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine loop thread; call from inside the running asyncio loop."""
+        assert self._thread is None, "AsyncLLM.start() called twice"
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop thread (after the step in progress) and fail every open stream.
+
+        Args:
+            timeout_s: how long to wait for the thread (s).
+        """
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    # ---- requests (event loop thread) ----------------------------------------------------------
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream at once. Await ``stream.accepted()`` for admission errors.
+
+        Raises:
+            EngineDeadError: the engine loop is dead or shutting down.
+        """
+        assert self._loop is not None, "AsyncLLM.start() was not called"
+        if self._dead is not None:
+            raise self._dead
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = RequestStream(request_id, self)
+        self._streams[request_id] = stream
+        item = _Add(request_id, prompt, params, time.monotonic(), priority, cache_salt, stream)
+        with self._cond:
+            if self._dead is not None or self._stopping:
+                del self._streams[request_id]
+                raise self._dead or EngineDeadError("the server is shutting down")
+            self._inbox.append(item)
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); never blocks."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+        with self._cond:
+            self._inbox.append(_Abort(request_id))
+            self._cond.notify()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _accept(self, stream: RequestStream, error: BaseException | None) -> None:
+        stream._accept(error)
+        if error is not None:
+            self._streams.pop(stream.request_id, None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._fail(error)
+
+    def _call_soon(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        # RuntimeError: the event loop is closed (process exit); nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # ---- the engine loop (loop thread) ---------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    items = list(self._inbox)
+                    self._inbox.clear()
+                for item in items:
+                    if isinstance(item, _Add):
+                        self._add(item)
+                    else:
+                        self._abort(item.request_id)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    now = time.monotonic()
+                    for out in outputs:
+                        self.metrics.on_output(out, now)
+                        if out.finished:
+                            self._live.discard(out.request_id)
+                    if outputs:
+                        self._call_soon(self._deliver, outputs)
+                self._update_gauges()
+                if engine.scheduler.num_running == 0 and engine.scheduler.num_waiting > 0:
+                    with self._cond:  # nothing fits right now; do not spin while the engine cannot progress
+                        self._cond.wait(_STALL_WAIT_S)
+        except BaseException as e:  # noqa: BLE001 - the loop must report its death, whatever killed it
+            logger.exception("the engine loop died; the server can no longer serve requests")
+            with self._cond:
+                self._dead = EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}")
+            self._call_soon(self._fail_all, self._dead)
+
+    def _add(self, item: _Add) -> None:
+        error: BaseException | None = None
+        try:
+            self._check_capacity(item.params.n)
+            self.engine.add_request(item.request_id, item.prompt, item.params, item.arrival_time,
+                                    item.priority, item.cache_salt)
+            self._live.add(item.request_id)
+            self.metrics.on_added(item.request_id, item.arrival_time)
+        except KVServeError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - a bad request must not kill the loop
+            logger.exception("add_request failed for %s", item.request_id)
+            error = e
+        self._call_soon(self._accept, item.stream, error)
+
+    def _check_capacity(self, n: int) -> None:
+        limit = self.max_waiting_requests
+        if limit is None:
+            return
+        sched = self.engine.scheduler
+        # Sequences that will still wait after the next schedule() filled the free batch slots.
+        free_slots = max(self.engine.config.max_num_seqs - sched.num_running, 0)
+        waiting = max(sched.num_waiting + n - free_slots, 0)
+        if waiting > limit:
+            raise TooManyRequestsError(
+                f"too many requests waiting: {sched.num_waiting} sequences queued, limit "
+                f"--max-waiting-requests {limit}; retry later")
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        if request_id in self._live:
+            self._live.discard(request_id)
+            self.metrics.on_aborted(request_id, time.monotonic())
+
+    def _update_gauges(self) -> None:
+        e = self.engine
+        self.metrics.update_engine_state(e.scheduler.num_running, e.scheduler.num_waiting, e.kv_cache_usage(),
+                                         e.num_preemptions)

@@ -1,0 +1,212 @@
+"""The OpenAI-compatible server: FastAPI routes over an :class:`AsyncLLM`, run by uvicorn.
+
+    kvserve serve --model smollm2-135m-instruct --port 8000 [--api-key KEY] [engine flags]
+
+| route | what |
+|---|---|
+| ``POST /v1/completions``, ``POST /v1/chat/completions`` | OpenAI's APIs, streamed (SSE) or not |
+| ``GET /v1/models`` | the served model |
+| ``GET /health`` | 200, or 503 once the engine loop died |
+| ``GET /version``, ``GET /metrics`` | version; Prometheus metrics (``kvserve:*``) |
+| ``POST /tokenize``, ``POST /detokenize`` | the server's tokenizer (vLLM's shapes) |
+
+Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``. ``--api-key`` guards
+``/v1/*`` only (as vLLM). Bodies are parsed by hand (size limit, UTF-8, JSON) and validated by the pydantic
+models of ``protocol.py``, so a malformed request is a 4xx naming the field, never a 500.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import kvserve
+from kvserve.config import EngineConfig
+from kvserve.engine.async_llm import AsyncLLM
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    validation_error,
+)
+from kvserve.entrypoints.openai.serving import ServerContext
+from kvserve.entrypoints.openai.serving_chat import create_chat_completion
+from kvserve.entrypoints.openai.serving_completion import create_completion
+from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+_PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _error_response(e: KVServeError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.error_type, e.param, e.status_code), status_code=e.status_code)
+
+
+async def _parse(ctx: ServerContext, raw: Request, model: type[M]) -> M:
+    obj = await ctx.read_json(raw)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops ``ctx.llm``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx.llm.start()
+        try:
+            yield
+        finally:
+            ctx.llm.shutdown()
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.exception_handler(KVServeError)
+    async def _kvserve_error(raw: Request, e: Exception) -> Response:
+        assert isinstance(e, KVServeError)
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(raw: Request, e: Exception) -> Response:
+        assert isinstance(e, StarletteHTTPException)
+        err_type = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(f"{raw.method} {raw.url.path}: {e.detail}", err_type, None, e.status_code),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(raw: Request, e: Exception) -> Response:
+        logger.exception("internal error on %s %s", raw.method, raw.url.path)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "internal_error", None, 500),
+                            status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        ctx.check_auth(raw)
+        return await create_completion(ctx, raw, await _parse(ctx, raw, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        ctx.check_auth(raw)
+        return await create_chat_completion(ctx, raw, await _parse(ctx, raw, ChatCompletionRequest))
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> Response:
+        ctx.check_auth(raw)
+        card = {"id": ctx.served_model_name, "object": "model", "created": int(started), "owned_by": "kvserve",
+                "root": ctx.llm.engine.config.model, "max_model_len": ctx.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        dead = ctx.llm.dead_error
+        return Response(status_code=200) if dead is None else _error_response(dead)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": kvserve.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.llm.metrics.render(), media_type=_PROMETHEUS_CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        req = await _parse(ctx, raw, TokenizeRequest)
+        ctx.check_model(req.model)
+        if ctx.tokenizer is None:
+            raise InvalidRequestError("prompt: no tokenizer (--skip-tokenizer-init is set)", param="prompt")
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("prompt: give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+            ids = ctx.tokenizer.apply_chat_template(msgs, req.add_generation_prompt)
+        else:
+            ids = ctx.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        req = await _parse(ctx, raw, DetokenizeRequest)
+        ctx.check_model(req.model)
+        if ctx.tokenizer is None:
+            raise InvalidRequestError("tokens: no tokenizer (--skip-tokenizer-init is set)", param="tokens")
+        vocab = ctx.llm.engine.arch.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"tokens: token id {bad} is out of range [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+
+    started = time.time()
+    return app
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags (the engine's come from ``EngineConfig.add_cli_args``)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="answer 429 when more sequences than this would wait for a batch slot (0: no limit)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument("--max-request-body-mib", type=float, default=8.0, help="largest request body accepted (MiB)")
+
+
+def build_context(args: argparse.Namespace) -> ServerContext:
+    """Load the engine (seconds) and wrap it for the server; prints the startup summary.
+
+    Raises:
+        ModelNotFoundError, InvalidRequestError: a bad model or engine flag.
+    """
+    from kvserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_cli_args(args)
+    engine = LLMEngine(config)
+    name = config.served_model_name or config.model
+    tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_path(engine.model_path)
+    limit = args.max_waiting_requests if args.max_waiting_requests > 0 else None
+    llm = AsyncLLM(engine, max_waiting_requests=limit)
+    print(f"[kvserve] serving {name!r} ({config.model}) on {engine.device}, dtype {engine.dtype}, "
+          f"max_model_len {engine.max_model_len}, {engine.num_blocks} KV blocks of {config.block_size} tokens "
+          f"({engine.kv_cache_capacity_tokens} tokens): max concurrency {engine.max_concurrency():.2f} requests "
+          f"of {engine.max_model_len} tokens", file=sys.stderr, flush=True)
+    return ServerContext(llm=llm, tokenizer=tokenizer, served_model_name=name,
+                         model_aliases=frozenset({name, config.model}), max_model_len=engine.max_model_len,
+                         api_key=args.api_key, max_body_bytes=int(args.max_request_body_mib * 2**20))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``kvserve serve``: load the model, then serve until interrupted. Returns the exit code."""
+    import uvicorn
+
+    if args.max_waiting_requests < 0:
+        raise InvalidRequestError("max_waiting_requests: must be >= 0", param="max_waiting_requests")
+    ctx = build_context(args)
+    app = build_app(ctx)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=10)
+    uvicorn.Server(config).run()
+    return 0

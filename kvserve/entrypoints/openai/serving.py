@@ -1,0 +1,296 @@
+"""What the completion and chat handlers share: the server context, prompt checks, streams, SSE, usage.
+
+Responses are built as plain dicts and encoded with ``json.dumps`` (no pydantic on the way out): a stream
+chunk costs a few microseconds, so 64 streaming clients do not make the HTTP side the bottleneck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from kvserve.engine.async_llm import AsyncLLM, RequestStream
+from kvserve.errors import InvalidRequestError, KVServeError, ModelNotFoundError, PromptTooLongError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.tokenizer import Tokenizer
+
+
+class AuthenticationError(KVServeError):
+    """Missing or wrong API key (HTTP 401)."""
+
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class PayloadTooLargeError(KVServeError):
+    """The request body is larger than the server accepts (HTTP 413)."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class RequestFailedError(KVServeError):
+    """The engine failed this request (an internal error confined to it; HTTP 500)."""
+
+
+@dataclass
+class ServerContext:
+    """Everything a handler needs; one per server.
+
+    Attributes:
+        llm: the async engine.
+        tokenizer: the server's own tokenizer instance (the engine thread has its own: a HF tokenizer must
+            not be used from two threads at once), or None with ``--skip-tokenizer-init``.
+        served_model_name: the name in ``/v1/models`` and in responses.
+        model_aliases: names a request's ``model`` may have (served name and ``--model``).
+        max_model_len: longest prompt + output in tokens.
+        api_key: required bearer token for ``/v1/*`` (None: no auth).
+        max_body_bytes: largest request body accepted.
+    """
+
+    llm: AsyncLLM
+    tokenizer: Tokenizer | None
+    served_model_name: str
+    model_aliases: frozenset[str]
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 2**20
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    # ---- checks --------------------------------------------------------------------------------
+    def check_auth(self, raw: Request) -> None:
+        """Raises AuthenticationError unless ``Authorization: Bearer <api_key>`` matches."""
+        if self.api_key is None:
+            return
+        if raw.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            raise AuthenticationError("invalid or missing API key (send 'Authorization: Bearer <key>')")
+
+    def check_model(self, model: str | None) -> None:
+        """Raises ModelNotFoundError unless ``model`` is None or a served name."""
+        if model is not None and model not in self.model_aliases:
+            raise ModelNotFoundError(f"model: the model {model!r} does not exist; this server serves "
+                                     f"{self.served_model_name!r}", param="model")
+
+    async def read_json(self, raw: Request) -> Any:
+        """The request body as JSON, read with a size limit.
+
+        Raises:
+            PayloadTooLargeError: body over ``max_body_bytes``.
+            InvalidRequestError: not UTF-8, not JSON, or not a JSON object.
+        """
+        declared = raw.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise PayloadTooLargeError(f"body: {declared} bytes, the limit is {self.max_body_bytes}")
+        chunks, size = [], 0
+        async for chunk in raw.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise PayloadTooLargeError(f"body: more than {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequestError(f"body: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        try:
+            obj = json.loads(text, parse_constant=_reject_constant)
+        except ValueError as e:
+            raise InvalidRequestError(f"body: not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise InvalidRequestError("body: must be a JSON object")
+        return obj
+
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Prompt -> (text or None, token ids).
+
+        Raises:
+            InvalidRequestError: text without a tokenizer.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt: text needs a tokenizer (--skip-tokenizer-init is set)",
+                                          param="prompt")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return None, prompt
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
+        """vLLM's rule: prompt + max_tokens must fit ``max_model_len`` (400 stating the numbers).
+
+        Raises:
+            PromptTooLongError: it does not fit (``param`` is ``prompt``/``messages`` or ``max_tokens``).
+        """
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise PromptTooLongError(
+                f"{what}: this model's maximum context length is {limit} tokens, but the {what} has "
+                f"{num_prompt_tokens} tokens (no room for any output)", param=what)
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            total = num_prompt_tokens + max_tokens
+            raise PromptTooLongError(
+                f"max_tokens: this model's maximum context length is {limit} tokens, but {total} were "
+                f"requested ({num_prompt_tokens} in the {what}, {max_tokens} for the completion)",
+                param="max_tokens")
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (cached), for logprobs."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
+            self._token_text[token_id] = text
+        return text
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    # ---- engine requests -----------------------------------------------------------------------
+    async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, prefix: str, priority: int,
+                     cache_salt: str | None) -> list[RequestStream]:
+        """Add one engine request per prompt and wait until all are queued.
+
+        Raises:
+            InvalidRequestError, TooManyRequestsError, EngineDeadError: one was refused (the others are aborted).
+        """
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
+                streams.append(self.llm.add_request({"prompt_token_ids": ids}, params, rid, priority, cache_salt))
+            for s in streams:
+                await s.accepted()
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def check_failed(out: RequestOutput) -> None:
+    """Raises RequestFailedError when the engine failed this request (finish_reason ``error``)."""
+    if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
+        raise RequestFailedError(f"the engine failed this request: {out.error or 'internal error'}")
+
+
+async def merged(streams: list[RequestStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Outputs of several streams as ``(stream index, output)`` in arrival order, until all finished.
+
+    Leaving early (an exception, a cancelled consumer) aborts every stream that has not finished.
+    """
+    try:
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, s: RequestStream) -> None:
+            try:
+                async for out in s:
+                    await queue.put((i, out))
+                await queue.put((i, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for s in streams:
+            s.abort()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The finished output of every stream, in stream order."""
+    finals: dict[int, RequestOutput] = {}
+    async with contextlib.aclosing(merged(streams)) as outputs:
+        async for i, out in outputs:
+            if out.finished:
+                finals[i] = out
+    return [finals[i] for i in range(len(streams))]
+
+
+async def wait_disconnect(raw: Request) -> None:
+    """Return when the client closed the connection (the body must already be read)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(raw: Request, work: asyncio.Future[Any] | Any) -> Any:
+    """Await ``work`` (a coroutine) unless the client disconnects first: then cancel it and return None.
+
+    Cancelling the work aborts its engine requests (see :func:`merged`), so their KV blocks are freed.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # the client is gone; nothing to report
+        await task
+    return None
+
+
+def logprob_entries(ctx: ServerContext, logprobs: Sequence[Any]) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """``TokenLogprobs`` -> (token text, logprob, [(alternative text, logprob), ...])."""
+    out = []
+    for lp in logprobs:
+        if lp is None:
+            continue
+        top = [(ctx.token_text(t), v) for t, v in lp.top]
+        out.append((ctx.token_text(lp.token_id), _finite(lp.logprob), [(t, _finite(v)) for t, v in top]))
+    return out
+
+
+def _finite(v: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number.
+    return v if v > -1e30 else -9999.0

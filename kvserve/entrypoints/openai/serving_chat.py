@@ -1,0 +1,115 @@
+"""``POST /v1/chat/completions``: the model's chat template, ``n`` choices, streamed or not.
+
+A stream opens every choice with ``{"role": "assistant", "content": ""}``, then sends content deltas; the
+chunk that finishes a choice carries its ``finish_reason``. With ``stream_options.include_usage`` one more
+chunk follows with ``choices: []`` and the usage, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.engine.async_llm import RequestStream
+from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
+from kvserve.entrypoints.openai.serving import (
+    SSE_DONE,
+    ServerContext,
+    check_failed,
+    final_outputs,
+    logprob_entries,
+    merged,
+    new_id,
+    now_s,
+    sse,
+    unless_disconnected,
+    usage,
+)
+from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.outputs import CompletionOutput, RequestOutput
+
+_CLIENT_CLOSED = 499
+
+
+async def create_chat_completion(ctx: ServerContext, raw: Request, req: ChatCompletionRequest) -> Response:
+    """Run a chat request; raises KVServeError subclasses for every 4xx."""
+    req.check_unsupported()
+    ctx.check_model(req.model)
+    if ctx.tokenizer is None:
+        raise InvalidRequestError("messages: chat needs a tokenizer (--skip-tokenizer-init is set)", param="messages")
+    ids = ctx.tokenizer.apply_chat_template(req.template_messages(), req.add_generation_prompt)
+    max_tokens = req.effective_max_tokens
+    ctx.check_length(len(ids), max_tokens, what="messages")
+    params = req.sampling_params(max_tokens, req.num_logprobs)
+    request_id = new_id("chatcmpl")
+    streams = await ctx.submit([ids], params, request_id, req.priority, req.cache_salt)
+    if req.stream:
+        return StreamingResponse(_stream(ctx, req, request_id, streams[0]), media_type="text/event-stream")
+    outs = await unless_disconnected(raw, final_outputs(streams))
+    if outs is None:
+        return Response(status_code=_CLIENT_CLOSED)
+    out = outs[0]
+    check_failed(out)
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": _logprobs(ctx, c, 0) if req.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    return JSONResponse({
+        "id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.served_model_name,
+        "choices": choices, "usage": _usage(out)})
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+
+
+def _logprobs(ctx: ServerContext, c: CompletionOutput, start: int) -> dict[str, Any]:
+    """OpenAI's chat logprobs object for ``c.logprobs[start:]``."""
+    content = []
+    for token, lp, top in logprob_entries(ctx, (c.logprobs or [])[start:]):
+        content.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top]})
+    return {"content": content}
+
+
+async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
+                  stream: RequestStream) -> AsyncIterator[str]:
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
+    n = req.n
+    text_len, num_lps, done = [0] * n, [0] * n, [False] * n
+    final: RequestOutput | None = None
+    try:
+        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None} for i in range(n)]})
+        async with contextlib.aclosing(merged([stream])) as outputs:
+            async for _, out in outputs:
+                check_failed(out)
+                choices = []
+                for c in out.outputs:
+                    k = c.index
+                    if done[k]:
+                        continue
+                    delta = c.text[text_len[k]:]
+                    text_len[k] = len(c.text)
+                    lps = None
+                    if req.logprobs and c.logprobs is not None and len(c.logprobs) > num_lps[k]:
+                        lps = _logprobs(ctx, c, num_lps[k])
+                        num_lps[k] = len(c.logprobs)
+                    done[k] = c.finish_reason is not None
+                    if delta or lps is not None or done[k]:
+                        choices.append({"index": k, "delta": {"content": delta} if delta else {}, "logprobs": lps,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if choices:
+                    yield sse({**head, "choices": choices})
+                if out.finished:
+                    final = out
+        if req.include_usage and final is not None:
+            yield sse({**head, "choices": [], "usage": _usage(final)})
+    except KVServeError as e:
+        yield sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.status_code}})
+    finally:
+        stream.abort()
+    yield SSE_DONE

@@ -1,0 +1,147 @@
+"""``POST /v1/completions``: one engine request per prompt, ``n`` choices each, streamed or not.
+
+Choice ``k`` of prompt ``i`` has index ``i * n + k`` (OpenAI's order). The engine's outputs are cumulative,
+so a streamed delta is the text (and logprobs) beyond what this choice already sent; the concatenated
+deltas therefore equal the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.engine.async_llm import RequestStream
+from kvserve.entrypoints.openai.protocol import CompletionRequest
+from kvserve.entrypoints.openai.serving import (
+    SSE_DONE,
+    ServerContext,
+    check_failed,
+    final_outputs,
+    logprob_entries,
+    merged,
+    new_id,
+    now_s,
+    sse,
+    unless_disconnected,
+    usage,
+)
+from kvserve.errors import KVServeError
+from kvserve.outputs import CompletionOutput, RequestOutput
+
+_CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; never seen by the client
+
+
+@dataclass
+class _Sent:
+    """What one streamed choice already sent."""
+
+    text_len: int = 0
+    num_logprobs: int = 0
+    offset: int = 0  # characters sent, echo included (for text_offset)
+    echoed: bool = False
+    finished: bool = False
+
+
+async def create_completion(ctx: ServerContext, raw: Request, req: CompletionRequest) -> Response:
+    """Run a completion request; raises KVServeError subclasses for every 4xx."""
+    req.check_unsupported()
+    ctx.check_model(req.model)
+    encoded = [ctx.encode(p) for p in req.prompts()]
+    for _, ids in encoded:
+        ctx.check_length(len(ids), req.max_tokens)
+    params = req.sampling_params(req.max_tokens, req.logprobs)
+    request_id = new_id("cmpl")
+    streams = await ctx.submit([ids for _, ids in encoded], params, request_id, req.priority, req.cache_salt)
+    echoes = [(text if text is not None else ctx.decode(ids)) if req.echo else "" for text, ids in encoded]
+    num_prompt_tokens = sum(len(ids) for _, ids in encoded)
+    if req.stream:
+        gen = _stream(ctx, req, request_id, streams, echoes, num_prompt_tokens)
+        return StreamingResponse(gen, media_type="text/event-stream")
+    outs = await unless_disconnected(raw, final_outputs(streams))
+    if outs is None:
+        return Response(status_code=_CLIENT_CLOSED)
+    for out in outs:
+        check_failed(out)
+    choices = []
+    for i, out in enumerate(outs):
+        for c in out.outputs:
+            text = echoes[i] + c.text
+            lps = _logprobs(ctx, c.logprobs, 0, len(echoes[i])) if req.logprobs is not None and c.logprobs else None
+            choices.append({"index": i * req.n + c.index, "text": text, "logprobs": lps,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    choices.sort(key=lambda ch: ch["index"])
+    return JSONResponse({
+        "id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.served_model_name,
+        "choices": choices, "usage": _usage(outs, num_prompt_tokens)})
+
+
+def _usage(outs: list[RequestOutput], num_prompt_tokens: int) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return usage(num_prompt_tokens, completion, sum(o.num_cached_tokens for o in outs))
+
+
+def _logprobs(ctx: ServerContext, logprobs: list[Any] | None, start: int, offset: int) -> dict[str, Any]:
+    """OpenAI's completions logprobs object for ``logprobs[start:]``; ``offset``: text before the first token."""
+    entries = logprob_entries(ctx, (logprobs or [])[start:])
+    offsets = []
+    for token, _, _ in entries:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict([*top, (t, lp)]) if top else {t: lp} for t, lp, top in entries],
+            "text_offset": offsets}
+
+
+async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, streams: list[RequestStream],
+                  echoes: list[str], num_prompt_tokens: int) -> AsyncIterator[str]:
+    created, n = now_s(), req.n
+    sent = [_Sent() for _ in range(len(streams) * n)]
+    finals: dict[int, RequestOutput] = {}
+    head = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.served_model_name}
+    try:
+        async with contextlib.aclosing(merged(streams)) as outputs:
+            async for i, out in outputs:
+                check_failed(out)
+                choices = [ch for c in out.outputs if (ch := _delta(ctx, req, sent[i * n + c.index], c,
+                                                                    i * n + c.index, echoes[i])) is not None]
+                if choices:
+                    yield sse({**head, "choices": choices})
+                if out.finished:
+                    finals[i] = out
+        if req.include_usage:
+            outs = [finals[i] for i in range(len(streams))]
+            yield sse({**head, "choices": [], "usage": _usage(outs, num_prompt_tokens)})
+    except KVServeError as e:
+        yield sse({"error": {"message": e.message, "type": e.error_type, "param": e.param, "code": e.status_code}})
+    finally:
+        for s in streams:
+            s.abort()
+    yield SSE_DONE
+
+
+def _delta(ctx: ServerContext, req: CompletionRequest, st: _Sent, c: CompletionOutput, index: int,
+           echo: str) -> dict[str, Any] | None:
+    if st.finished:
+        return None
+    prefix = ""
+    if not st.echoed:
+        prefix, st.echoed = echo, True
+        st.offset += len(echo)
+    new_text = c.text[st.text_len:]
+    st.text_len = len(c.text)
+    lps = None
+    if req.logprobs is not None and c.logprobs is not None and len(c.logprobs) > st.num_logprobs:
+        lps = _logprobs(ctx, c.logprobs, st.num_logprobs, st.offset)
+        st.num_logprobs = len(c.logprobs)
+    st.offset += len(new_text)
+    st.finished = c.finish_reason is not None
+    text = prefix + new_text
+    if not text and lps is None and not st.finished:
+        return None
+    return {"index": index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason}

@@ -1,0 +1,144 @@
+"""Prometheus metrics of a serving engine, named as vLLM's with the prefix ``kvserve:``.
+
+Every metric lives in the registry of one :class:`EngineMetrics` (not the process-global one), so two
+servers in one process, or a test that builds several, never clash. :class:`EngineMetrics` is fed by the
+engine loop thread of :class:`kvserve.engine.async_llm.AsyncLLM`; ``prometheus_client`` metrics are
+thread-safe, and the HTTP thread only renders them.
+
+| metric | kind | meaning |
+|---|---|---|
+| ``num_requests_running`` / ``num_requests_waiting`` | gauge | sequences in the scheduler's queues |
+| ``kv_cache_usage_perc`` | gauge | fraction (0..1) of KV blocks in use |
+| ``num_preemptions_total`` | counter | preemptions since start |
+| ``prompt_tokens_total`` / ``generation_tokens_total`` | counter | prefilled / generated tokens |
+| ``request_success_total{finished_reason}`` | counter | finished requests (stop, length, abort, error) |
+| ``time_to_first_token_seconds`` ... | histogram | see ``docs/metrics.md`` |
+| ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` | counter | tokens; 0 until prefix caching |
+
+Gauges are refreshed after every loop iteration, including the ones that only process aborts, so they
+return to 0 as soon as the engine is idle (no stale values after a wave of cancellations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from kvserve.outputs import RequestOutput
+
+PREFIX = "kvserve:"
+
+# No ``*_created`` timestamp samples (as vLLM): they double the exposition and no dashboard uses them.
+disable_created_metrics()
+
+# Bucket edges in seconds.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+                40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class _Progress:
+    """What the metrics have already counted of one live request."""
+
+    arrival_time: float
+    num_generated: int = 0
+    last_token_time: float = 0.0
+
+
+class EngineMetrics:
+    """The Prometheus metrics of one engine, with a label ``model_name``.
+
+    Args:
+        model_name: the served model name (the label value).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Sequences running (in the batch).")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.num_preemptions = counter("num_preemptions", "Preemptions since start.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at the first token).")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        for reason in ("stop", "length", "abort", "error"):
+            self._success.labels(model_name, reason)  # export every reason at 0 from the start
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (s).", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two outputs of a request (s).",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish (s).", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling (s).",
+                                    _REQUEST_BUCKETS)
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._progress: dict[str, _Progress] = {}
+        self._last_preemptions = 0
+
+    # ---- fed by the engine loop thread ---------------------------------------------------------
+    def on_added(self, request_id: str, arrival_time: float) -> None:
+        """A request entered the engine (``arrival_time``: ``time.monotonic()`` seconds)."""
+        self._progress[request_id] = _Progress(arrival_time)
+
+    def on_output(self, out: RequestOutput, now: float) -> None:
+        """Count the tokens of one step's output and observe latencies (``now``: ``time.monotonic()``)."""
+        p = self._progress.get(out.request_id)
+        if p is None:
+            return
+        num = sum(len(c.token_ids) for c in out.outputs)
+        new = num - p.num_generated
+        if new > 0:
+            self.generation_tokens.inc(new)
+            if p.num_generated == 0:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.ttft.observe(out.metrics.get("first_token_time", now) - p.arrival_time)
+                scheduled = out.metrics.get("first_scheduled_time")
+                if scheduled is not None:
+                    self.queue_time.observe(max(scheduled - p.arrival_time, 0.0))
+            else:
+                self.itl.observe(now - p.last_token_time)
+            p.num_generated, p.last_token_time = num, now
+        if out.finished:
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason == "error"), None)
+            self._finish(out.request_id, reason or (out.outputs[0].finish_reason or "stop"), now)
+
+    def on_aborted(self, request_id: str, now: float) -> None:
+        """A live request was aborted (client gone); finished requests are ignored."""
+        if request_id in self._progress:
+            self._finish(request_id, "abort", now)
+
+    def _finish(self, request_id: str, reason: str, now: float) -> None:
+        p = self._progress.pop(request_id)
+        self._success.labels(self._model_name, reason).inc()
+        self.e2e.observe(now - p.arrival_time)
+
+    def update_engine_state(self, num_running: int, num_waiting: int, kv_usage: float, num_preemptions: int) -> None:
+        """Refresh the gauges from the scheduler; ``num_preemptions`` is the engine's running total."""
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.kv_cache_usage_perc.set(kv_usage)
+        if num_preemptions > self._last_preemptions:
+            self.num_preemptions.inc(num_preemptions - self._last_preemptions)
+            self._last_preemptions = num_preemptions
+
+    # ---- read by the HTTP side -----------------------------------------------------------------
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return bytes(generate_latest(self.registry))

@@ -1,0 +1,225 @@
+"""AsyncLLM and the app on a fake engine (no model): streams, aborts, 429, idle sleep, a dead loop -> 503."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from kvserve.engine.async_llm import AsyncLLM, TooManyRequestsError
+from kvserve.entrypoints.openai.server import build_app
+from kvserve.entrypoints.openai.serving import ServerContext
+from kvserve.errors import EngineDeadError, InvalidRequestError
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _Config:
+    model: str = "fake"
+    served_model_name: str | None = None
+    max_num_seqs: int = 2
+
+
+@dataclass
+class _Scheduler:
+    running: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+
+class FakeEngine:
+    """One token per running request per step (5 ms); token id 7 fails its request; ``crash`` kills step()."""
+
+    def __init__(self) -> None:
+        self.config = _Config()
+        self.scheduler = _Scheduler()
+        self.num_preemptions = 0
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.crash = False
+        self.wakeups = 0
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *args: Any) -> str:
+        ids = prompt["prompt_token_ids"]
+        if not ids:
+            raise InvalidRequestError("prompt: must not be empty", param="prompt")
+        self.requests[request_id] = (ids, params, [])
+        self.scheduler.waiting.append(request_id)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        for q in (self.scheduler.running, self.scheduler.waiting):
+            if request_id in q:
+                q.remove(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        self.wakeups += 1
+        return bool(self.requests)
+
+    def kv_cache_usage(self) -> float:
+        return 0.1 * len(self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        if self.crash:
+            raise RuntimeError("boom")
+        time.sleep(0.005)
+        s = self.scheduler
+        while s.waiting and len(s.running) < self.config.max_num_seqs:
+            s.running.append(s.waiting.pop(0))
+        outs = []
+        for rid in list(s.running):
+            ids, params, out = self.requests[rid]
+            out.append(7 if ids[0] == 7 else 1)
+            error = out[-1] == 7
+            done = error or len(out) >= (params.max_tokens or 4)
+            reason = "error" if error else ("length" if done else None)
+            outs.append(RequestOutput(rid, None, ids, [CompletionOutput(0, "a" * len(out), list(out),
+                                                                        finish_reason=reason)],
+                                      done, error="RuntimeError: bad" if error else None,
+                                      metrics={"first_token_time": time.monotonic()}))
+            if done:
+                s.running.remove(rid)
+                del self.requests[rid]
+        return outs
+
+
+def _params(max_tokens: int = 3) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+async def _started(engine: FakeEngine, **kwargs: Any) -> AsyncLLM:
+    llm = AsyncLLM(engine, **kwargs)  # type: ignore[arg-type]
+    llm.start()
+    return llm
+
+
+def test_stream_runs_to_the_end_and_is_counted() -> None:
+    async def main() -> None:
+        llm = await _started(FakeEngine())
+        stream = llm.add_request({"prompt_token_ids": [1, 2]}, _params(3))
+        await stream.accepted()
+        outs = [o async for o in stream]
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == [1, 1, 1]
+        text = llm.metrics.render().decode()
+        assert 'kvserve:generation_tokens_total{model_name="fake"} 3.0' in text
+        assert 'kvserve:request_success_total{finished_reason="length",model_name="fake"} 1.0' in text
+        llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_add_error_is_raised_by_accepted() -> None:
+    async def main() -> None:
+        llm = await _started(FakeEngine())
+        stream = llm.add_request({"prompt_token_ids": []}, _params())
+        with pytest.raises(InvalidRequestError):
+            await stream.accepted()
+        assert llm.num_open_streams == 0
+        llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_abort_frees_and_gauges_return_to_zero() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        llm = await _started(engine)
+        stream = llm.add_request({"prompt_token_ids": [1]}, _params(10_000))
+        await stream.accepted()
+        await stream.__anext__()
+        stream.abort()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not engine.requests and 'num_requests_running{model_name="fake"} 0.0' in llm.metrics.render().decode():
+                break
+        text = llm.metrics.render().decode()
+        assert not engine.requests and llm.num_open_streams == 0
+        assert 'kvserve:num_requests_running{model_name="fake"} 0.0' in text
+        assert 'kvserve:kv_cache_usage_perc{model_name="fake"} 0.0' in text
+        assert 'kvserve:request_success_total{finished_reason="abort",model_name="fake"} 1.0' in text
+        llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_too_many_waiting_requests_is_429() -> None:
+    async def main() -> None:
+        llm = await _started(FakeEngine(), max_waiting_requests=1)
+        # 2 batch slots + 1 waiting are admitted in the same inbox batch; the 4th is refused.
+        streams = [llm.add_request({"prompt_token_ids": [1]}, _params(50)) for _ in range(4)]
+        results = await asyncio.gather(*(s.accepted() for s in streams), return_exceptions=True)
+        assert [isinstance(r, TooManyRequestsError) for r in results] == [False, False, False, True]
+        assert TooManyRequestsError.status_code == 429
+        for s in streams:
+            s.abort()
+        llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_idle_loop_sleeps() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        llm = await _started(engine)
+        await asyncio.sleep(0.05)
+        before = engine.wakeups
+        await asyncio.sleep(0.5)
+        assert engine.wakeups - before <= 1  # no polling while idle
+        llm.shutdown()
+
+    asyncio.run(main())
+
+
+def _app(llm: AsyncLLM) -> httpx.AsyncClient:
+    ctx = ServerContext(llm=llm, tokenizer=None, served_model_name="fake", model_aliases=frozenset({"fake"}),
+                        max_model_len=64)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(ctx)), base_url="http://test")
+
+
+def test_error_in_one_request_fails_only_that_request() -> None:
+    async def main() -> None:
+        llm = await _started(FakeEngine())
+        async with _app(llm) as client:
+            bad, good = await asyncio.gather(
+                client.post("/v1/completions", json={"prompt": [7, 1], "max_tokens": 3}),
+                client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 3}))
+            assert bad.status_code == 500 and "RuntimeError: bad" in bad.json()["error"]["message"]
+            assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+            assert (await client.get("/health")).status_code == 200
+        llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_dead_loop_fails_streams_and_health_is_503() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        llm = await _started(engine)
+        engine.crash = True
+        stream = llm.add_request({"prompt_token_ids": [1]}, _params())
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        assert llm.is_dead
+        with pytest.raises(EngineDeadError):
+            llm.add_request({"prompt_token_ids": [1]}, _params())
+        async with _app(llm) as client:
+            r = await client.get("/health")
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+            assert r.status_code == 503
+        llm.shutdown()
+
+    asyncio.run(main())
