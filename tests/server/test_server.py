@@ -322,9 +322,10 @@ def _idle_within(server: Server, seconds: float) -> float:
 def test_client_disconnect_aborts_within_a_second(server: Server) -> None:
     before = server.metrics()["kvserve:request_success_total{abort}"]
     with httpx.Client(timeout=60) as h, h.stream("POST", server.url + C, json={**_LONG, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                break
+        lines = r.iter_lines()  # NOTE: keep a reference: closing the iterator closes the connection
+        while not next(lines).startswith("data: "):
+            pass
+        time.sleep(0.3)
         assert server.metrics()["kvserve:num_requests_running"] == 1
     assert _idle_within(server, 1.0) < 1.0
     with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up after 2 s
