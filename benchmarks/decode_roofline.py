@@ -32,7 +32,10 @@ kvserve's measured step next to that bound, at several batch sizes, in one run o
   ``model.compute_logits`` (the LM head matmul: model compute, reported apart from overhead),
   ``SamplingMetadata.build``, ``runner.sampler``, the rest of ``runner.execute_model`` (logits index,
   ``.tolist()``), ``scheduler.update_from_output``, ``engine._apply_update`` (detokenizer, stop strings),
-  ``engine._make_output`` (RequestOutput objects) and the remainder of ``engine.step``.
+  ``engine._make_output`` (RequestOutput objects) and the remainder of ``engine.step``. Inside the
+  forward, the attention call (``paged_attention``, which may run a native ctypes kernel that
+  torch.profiler cannot see) and the KV write (``write_kv``) are timed too; the rest is linears, norms,
+  rotary and residuals.
 * ``--profile N`` additionally runs N steps under ``torch.profiler`` and prints the top ops by self CPU time
   (which ops inside the forward take the time).
 
@@ -191,6 +194,12 @@ def install_timers(engine: Any, timers: Timers) -> list[str]:
         missing.remove("prepare_inputs")
     # optional helpers of execute_model, timed when present (else they fall into execute_model_other)
     timers.wrap(mr, "_mask_stop_tokens_before_min_tokens", "min_tokens_mask")
+    # inside the forward: attention (a native ctypes kernel may be invisible to torch.profiler) and the KV
+    # write, patched in the model module's namespace where the layers look them up
+    model_mod = sys.modules.get(type(runner.model).__module__)
+    if model_mod is not None:
+        timers.wrap(model_mod, "paged_attention", "fwd_attention")
+        timers.wrap(model_mod, "write_kv", "fwd_write_kv")
     # SamplingMetadata.build is a classmethod called through the class: patch the class attribute.
     sm = getattr(mr, "SamplingMetadata", None)
     if sm is not None and hasattr(sm, "build"):
@@ -220,7 +229,10 @@ def run_batch(engine: Any, batch: int, args: argparse.Namespace, bw: dict[str, f
     from kvserve import SamplingParams
 
     sched = engine.scheduler
-    max_tokens = WARMUP_DECODE_STEPS + 2 * args.steps + args.profile + 16
+    # Requests admitted first decode while later ones still prefill (chunked prefill under the token budget),
+    # so leave room for one token per prefill step on top of the warm-up, timed and profiled steps.
+    prefill_steps = -(-batch * args.prompt_len // engine.config.max_num_batched_tokens)
+    max_tokens = WARMUP_DECODE_STEPS + 2 * args.steps + args.profile + prefill_steps + 16
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(None, [rng.randint(1000, 40000) for _ in range(args.prompt_len)], params)
            for _ in range(batch)]
@@ -251,8 +263,12 @@ def run_batch(engine: Any, batch: int, args: argparse.Namespace, bw: dict[str, f
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
-            if any(r.num_computed_tokens != c + 1 for r, c in zip(reqs, before, strict=True)):
-                raise RuntimeError("a timed step was not a pure decode step of the whole batch")
+            bad = [(r.request_id, r.status.name, c, r.num_computed_tokens, getattr(r, "error", None))
+                   for r, c in zip(reqs, before, strict=True) if r.num_computed_tokens != c + 1]
+            if bad:
+                raise RuntimeError(f"a timed step was not a pure decode step of the whole batch: {len(bad)} "
+                                   f"requests did not advance by one token, e.g. {bad[:3]}; "
+                                   f"preemptions so far {engine.num_preemptions}")
         return times, kv
 
     with common.Contention() as c_clean:
@@ -309,6 +325,10 @@ def run_batch(engine: Any, batch: int, args: argparse.Namespace, bw: dict[str, f
         "make_output": per_step.get("make_output", 0.0),
     }
     breakdown["engine_other"] = step_ms - sum(v for k, v in breakdown.items())
+    # parts of the forward (not added to the sum above)
+    inside_forward = {k: per_step[k] for k in ("fwd_attention", "fwd_write_kv") if k in per_step}
+    if inside_forward:
+        inside_forward["fwd_linears_norms_rest"] = fwd_ms - sum(inside_forward.values())
     return dict(
         batch=batch, steps=n, avg_context_tokens=round(avg_ctx, 1),
         weight_bytes=w_bytes, kv_bytes_per_token=kv_per_token, kv_bytes_per_step=round(kv_bytes),
@@ -328,7 +348,9 @@ def run_batch(engine: Any, batch: int, args: argparse.Namespace, bw: dict[str, f
         outside_forward_and_lm_head_frac=round((step_ms - fwd_ms - breakdown["lm_head"]) / step_ms, 4)
         if step_ms else None,
         breakdown_ms_per_step={k: round(v, 3) for k, v in breakdown.items()},
-        breakdown_step_ms=round(step_ms, 3), not_instrumented=missing,
+        breakdown_step_ms=round(step_ms, 3), inside_forward_ms_per_step={k: round(v, 3) for k, v in
+                                                                         inside_forward.items()},
+        not_instrumented=missing,
         profile_top_ops=profile_rows,
         contention=dict(clean=c_clean.as_dict(), instrumented=c_inst.as_dict()),
     )
@@ -404,6 +426,11 @@ def main() -> None:
                                for r in rows_out] for k in keys] + [["step"] + [r["breakdown_step_ms"]
                                                                          for r in rows_out]],
                        ["part"] + [f"batch {r['batch']}" for r in rows_out]))
+    fkeys = list(rows_out[0]["inside_forward_ms_per_step"]) if rows_out else []
+    if fkeys:
+        print("\ninside the forward (ms per step, part of 'forward' above):")
+        print(common.table([[k] + [f"{r['inside_forward_ms_per_step'].get(k, 0.0):.3f}" for r in rows_out]
+                            for k in fkeys], ["part"] + [f"batch {r['batch']}" for r in rows_out]))
     for r in rows_out:
         if r["profile_top_ops"]:
             print(f"\ntorch.profiler, batch {r['batch']}: top ops by self CPU (ms/step)")

@@ -28,7 +28,7 @@ from kvserve.models.catalog import cache_dir
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("csrc") / "paged_attention.c"
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only",
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp-simd",
           "-shared", "-fPIC", "-pthread"]
 
 
@@ -47,7 +47,7 @@ def _library() -> ctypes.CDLL | None:
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
             tmp_lib = Path(tmp) / lib_path.name
-            result = subprocess.run([compiler, *_FLAGS, "-o", str(tmp_lib), str(_SRC), "-lm"],
+            result = subprocess.run([compiler, *_FLAGS, "-o", str(tmp_lib), str(_SRC), "-lm", "-lmvec"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 logger.warning("compiling %s failed, using the torch path:\n%s", _SRC.name, result.stderr)
