@@ -273,18 +273,17 @@ class AsyncLLM:
                         self._add(item)
                     else:
                         self._abort(item.request_id)
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    now = time.monotonic()
-                    for out in outputs:
-                        self.metrics.on_output(out, now)
-                        if out.finished:
-                            self._live.discard(out.request_id)
-                    if outputs:
-                        self._call_soon(self._deliver, outputs)
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                now = time.monotonic()
+                for out in outputs:
+                    self.metrics.on_output(out, now)
+                    if out.finished:
+                        self._live.discard(out.request_id)
+                if outputs:
+                    self._call_soon(self._deliver, outputs)
                 self._update_gauges()
-                if engine.scheduler.num_running == 0 and engine.scheduler.num_waiting > 0:
-                    with self._cond:  # nothing fits right now; do not spin while the engine cannot progress
+                if not outputs and engine.scheduler.num_running == 0 and engine.scheduler.num_waiting > 0:
+                    with self._cond:  # nothing could be scheduled: do not spin until something changes
                         self._cond.wait(_STALL_WAIT_S)
         except BaseException as e:  # noqa: BLE001 - the loop must report its death, whatever killed it
             logger.exception("the engine loop died; the server can no longer serve requests")

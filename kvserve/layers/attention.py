@@ -8,13 +8,14 @@ A step's tokens are laid out decodes first, then prefill chunks::
 
     tokens:  [d0 d1 d2 | p0 p0 p0 p0 p1 p1]      3 decode requests (1 token each), 2 prefill chunks
     decode group  -> batched SDPA, query [D, kv_heads, group, head_dim] against gathered K/V
-    prefill group -> one batched SDPA over padded queries [P, max_q] with a causal-with-offset mask
+    prefill group -> one batched SDPA over padded queries [P, max_q]: causal when no chunk has a cached
+                     prefix, else with a causal-with-offset mask
 
 Decodes are sorted by length and split into a few buckets (at most ``MAX_DECODE_BUCKETS``), each padded
 only to its own longest sequence: K/V gathering and attention are memory-bound, and padding every
 request to the batch's longest would read up to ~2x the bytes. There is no Python loop over requests
-or tokens. GQA is handled by folding the query heads of one KV head into the query-length axis, so K/V
-are never repeated.
+or tokens. GQA: decode folds the query heads of one KV head into one matrix per request; prefill uses
+SDPA's ``enable_gqa``; K/V are never repeated.
 """
 
 from __future__ import annotations
@@ -31,6 +32,27 @@ MIN_DECODE_BUCKET = 8  # requests; smaller buckets cost more in per-call overhea
 
 
 @dataclass
+class PrefillGroup:
+    """P prefill chunks attended in one SDPA call over padded queries.
+
+    Attributes:
+        start, end: the group's tokens are ``[start, end)`` of the step.
+        block_tables: ``[P, max_blocks]`` int64.
+        pad_index: ``[end - start]`` int64 position of each token in the padded ``[P * max_q]`` layout.
+        max_q: longest chunk in tokens.
+        mask: ``[P, 1, max_q, max_blocks * block_size]`` float32 additive mask (0 or -inf) when some chunk
+            continues a cached prefix; None when every chunk starts at position 0 (plain causal).
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    pad_index: torch.Tensor
+    max_q: int
+    mask: torch.Tensor | None
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, built once by the model runner and shared by every layer.
 
@@ -42,22 +64,15 @@ class AttentionMetadata:
             mask ``[end - start, 1, 1, max_blocks * block_size]`` bool, True where a key is attended.
         native_decode: instead of buckets, ``(block_tables [D, max_blocks], seq_lens [D])`` int64 for the
             compiled CPU kernel (float32 caches on CPU; see ``cpu_kernels.py``).
-        prefill_block_tables: ``[P, max_blocks]`` int64.
-        prefill_mask: ``[P, 1, group * max_q, max_blocks * block_size]`` bool (query heads of one KV head
-            folded into the query axis).
-        prefill_pad_index: ``[num_prefill_tokens]`` int64 position of each prefill token in the padded
-            ``[P * max_q]`` query layout.
-        prefill_max_q: max_q.
+        prefill_groups: prefill chunks, at most two groups: chunks that continue a cached prefix (masked)
+            and fresh prompts (causal). See ``PrefillGroup``.
     """
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode_buckets: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     native_decode: tuple[torch.Tensor, torch.Tensor] | None = None
-    prefill_block_tables: torch.Tensor | None = None
-    prefill_mask: torch.Tensor | None = None
-    prefill_pad_index: torch.Tensor | None = None
-    prefill_max_q: int = 0
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -103,19 +118,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qd = q[start:end].view(end - start, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.reshape(end - start, num_heads * head_dim)
-    if d < num_tokens:
-        assert meta.prefill_block_tables is not None and meta.prefill_pad_index is not None
-        p, max_q = meta.prefill_block_tables.shape[0], meta.prefill_max_q
-        k = _gather(k_cache, meta.prefill_block_tables)
-        v = _gather(v_cache, meta.prefill_block_tables)
+    for grp in meta.prefill_groups:
+        p, max_q = grp.block_tables.shape[0], grp.max_q
+        k = _gather(k_cache, grp.block_tables)  # [P, kv_heads, L, hd]
+        v = _gather(v_cache, grp.block_tables)
         qp = q.new_zeros(p * max_q, num_heads, head_dim)
-        qp[meta.prefill_pad_index] = q[d:]
-        # [P, max_q, kv_heads, group, hd] -> [P, kv_heads, group * max_q, hd]
-        qp = qp.view(p, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        qp = qp.reshape(p, num_kv_heads, group * max_q, head_dim)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.prefill_mask, scale=scale)
-        o = o.view(p, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        out[d:] = o.reshape(p * max_q, num_heads * head_dim)[meta.prefill_pad_index]
+        qp[grp.pad_index] = q[grp.start:grp.end]
+        qp = qp.view(p, max_q, num_heads, head_dim).transpose(1, 2)  # [P, num_heads, max_q, hd]
+        if grp.mask is None:
+            # Every chunk starts at position 0, so plain top-left causal attention is exact for every real
+            # query (padded keys lie beyond it), and the kernel skips the masked tiles: ~2x less work.
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=grp.mask.to(q.dtype), scale=scale,
+                                               enable_gqa=True)
+        out[grp.start:grp.end] = o.transpose(1, 2).reshape(p * max_q, num_heads * head_dim)[grp.pad_index]
     return out
 
 

@@ -16,18 +16,18 @@ import numpy as np
 import torch
 
 from kvserve.core.scheduler_output import ScheduledRequest
-from kvserve.layers.attention import MAX_DECODE_BUCKETS, MIN_DECODE_BUCKET, AttentionMetadata
+from kvserve.layers.attention import MAX_DECODE_BUCKETS, MIN_DECODE_BUCKET, AttentionMetadata, PrefillGroup
 
 
-def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: int, group: int,
+def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: int,
                    device: torch.device, native_decode: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
     """Flatten a step's requests into model inputs.
 
     Args:
-        order: the scheduled requests, the ``num_decodes`` one-token requests first (sorted by length,
-            so that decode buckets pad little).
-        group: query heads per KV head (GQA).
+        order: the scheduled requests: the ``num_decodes`` one-token requests first (sorted by length,
+            so that decode buckets pad little), then prefill chunks that continue a cached prefix, then
+            fresh prompts.
         native_decode: build the decode metadata for the compiled CPU kernel instead of torch buckets.
     Returns:
         input_ids ``[T]``, positions ``[T]``, attention metadata, and ``logits_indices`` (numpy
@@ -68,21 +68,29 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
             mask = np.arange(nb * bs)[None, :] < lens[:, None]
             meta.decode_buckets.append((start, end, torch.from_numpy(np.ascontiguousarray(bt[start:end, :nb])).to(dev),
                                         torch.from_numpy(mask[:, None, None, :]).to(dev)))
-    if num_decodes < len(order):
-        q_lens, cp = n[num_decodes:], c[num_decodes:]
-        kv_lens = cp + q_lens
-        p, max_q = len(q_lens), int(q_lens.max())
-        nb = -(-int(kv_lens.max()) // bs)
-        meta.prefill_block_tables = torch.from_numpy(np.ascontiguousarray(bt[num_decodes:, :nb])).to(dev)
-        meta.prefill_max_q = max_q
-        first = int(starts[num_decodes])
-        pad_index = (req_idx[first:] - num_decodes) * max_q + offsets[first:]
-        meta.prefill_pad_index = torch.from_numpy(pad_index).to(dev)
-        qi = np.arange(max_q)[None, :, None]  # query index within the chunk
-        kj = np.arange(nb * bs)[None, None, :]
-        mask = (kj <= cp[:, None, None] + qi) & (qi < q_lens[:, None, None])
-        mask[:, :, 0] |= np.arange(max_q)[None, :] >= q_lens[:, None]  # padded rows: attend key 0 (no NaN)
-        mask = np.broadcast_to(mask[:, None], (p, group, max_q, nb * bs)).reshape(p, 1, group * max_q, nb * bs)
-        meta.prefill_mask = torch.from_numpy(np.ascontiguousarray(mask)).to(dev)
+    # Prefill chunks: those continuing a cached prefix (masked) come first, then fresh prompts (causal).
+    num_continuing = num_decodes + int(np.count_nonzero(c[num_decodes:] > 0))
+    for lo, hi in ((num_decodes, num_continuing), (num_continuing, len(order))):
+        if lo < hi:
+            meta.prefill_groups.append(_prefill_group(lo, hi, n, c, bt, starts, req_idx, offsets, bs, dev))
     logits_indices = (cu - 1)[[i for i, s in enumerate(order) if s.sample]]
     return (torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta, logits_indices)
+
+
+def _prefill_group(lo: int, hi: int, n: np.ndarray, c: np.ndarray, bt: np.ndarray, starts: np.ndarray,
+                   req_idx: np.ndarray, offsets: np.ndarray, bs: int, dev: torch.device) -> PrefillGroup:
+    """Requests ``order[lo:hi]`` as one padded prefill group (see ``PrefillGroup``)."""
+    q_lens, cp = n[lo:hi], c[lo:hi]
+    max_q = int(q_lens.max())
+    nb = -(-int((cp + q_lens).max()) // bs)
+    first, last = int(starts[lo]), int(starts[hi - 1] + n[hi - 1])
+    pad_index = (req_idx[first:last] - lo) * max_q + offsets[first:last]
+    mask = None
+    if cp.any():  # causal with an offset, as an additive mask
+        qi = np.arange(max_q)[None, :, None]  # query index within the chunk
+        kj = np.arange(nb * bs)[None, None, :]
+        allowed = (kj <= cp[:, None, None] + qi) & (qi < q_lens[:, None, None])
+        allowed[:, :, 0] |= np.arange(max_q)[None, :] >= q_lens[:, None]  # padded rows: key 0 (no NaN)
+        mask = torch.from_numpy(np.where(allowed, np.float32(0), np.float32(-np.inf))[:, None]).to(dev)
+    return PrefillGroup(first, last, torch.from_numpy(np.ascontiguousarray(bt[lo:hi, :nb])).to(dev),
+                        torch.from_numpy(pad_index).to(dev), max_q, mask)

@@ -72,9 +72,10 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         decodes = sorted((s for s in so.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.num_computed_tokens)
-        order = decodes + [s for s in so.scheduled if s.num_scheduled_tokens > 1]
-        group = self.arch.num_attention_heads // self.arch.num_key_value_heads
-        batch = prepare_inputs(order, len(decodes), self.block_size, group, self.device, self.native_decode)
+        prefills = [s for s in so.scheduled if s.num_scheduled_tokens > 1]
+        order = decodes + [s for s in prefills if s.num_computed_tokens > 0] + [
+            s for s in prefills if s.num_computed_tokens == 0]
+        batch = prepare_inputs(order, len(decodes), self.block_size, self.device, self.native_decode)
         input_ids, positions, meta, logits_indices = batch
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampling = [s for s in order if s.sample]

@@ -395,7 +395,7 @@ def test_wrong_api_key_is_401(guarded: Server) -> None:
 
 
 def test_over_max_waiting_requests_is_429(guarded: Server) -> None:
-    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 40, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 20, "ignore_eos": True}
     statuses: list[int] = []
 
     def send() -> None:

@@ -30,7 +30,8 @@ def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: 
     head_dim, num_blocks = 8, 128
     # (num_computed, num_new): 3 decodes, then prefills (fresh, chunk after a cached prefix, 1-block exact)
     shapes = [(0, 1), (9, 1), (30, 1), (0, 13), (7, 5), (0, 2 * block_size), (20, 3)]
-    shapes.sort(key=lambda s: s[1] != 1)  # decodes first, as the runner orders them
+    # decodes first, then chunks continuing a cached prefix, then fresh prompts: as the runner orders them
+    shapes.sort(key=lambda s: (s[1] != 1, s[0] == 0))
     perm = torch.randperm(num_blocks, generator=g).tolist()
     order, seqs = [], []
     for c, n in shapes:
@@ -43,9 +44,9 @@ def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: 
                      torch.randn(c + n, num_kv_heads, head_dim, generator=g),
                      torch.randn(n, num_heads, head_dim, generator=g)))
     num_decodes = sum(1 for _, n in shapes if n == 1)
-    _, _, meta, _ = prepare_inputs(order, num_decodes, block_size, num_heads // num_kv_heads,
-                                   torch.device("cpu"), native_decode=native)
+    _, _, meta, _ = prepare_inputs(order, num_decodes, block_size, torch.device("cpu"), native_decode=native)
     assert (meta.native_decode is not None) == native and bool(meta.decode_buckets) != native
+    assert [g.mask is None for g in meta.prefill_groups] == [False, True]
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
     # The cached prefix is written as an earlier step would have; this step's K/V through slot_mapping.
@@ -67,14 +68,15 @@ def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: 
 def test_slot_mapping_and_positions_exact() -> None:
     # block_size 4; request A computed 5 (decode), request B fresh prompt of 3 tokens.
     order = [_scheduled(5, 1, [7, 2]), _scheduled(0, 3, [9])]
-    ids, positions, meta, logits_idx = prepare_inputs(order, 1, 4, 1, torch.device("cpu"))
+    ids, positions, meta, logits_idx = prepare_inputs(order, 1, 4, torch.device("cpu"))
     assert positions.tolist() == [5, 0, 1, 2]
     assert meta.slot_mapping.tolist() == [2 * 4 + 1, 36, 37, 38]
     assert ids.tolist() == [6, 1, 2, 3]
     assert logits_idx.tolist() == [0, 3]
     assert [(a, b, t.tolist()) for a, b, t, _ in meta.decode_buckets] == [(0, 1, [[7, 2]])]
     assert meta.decode_buckets[0][3].view(-1).tolist() == [True] * 6 + [False] * 2
-    assert meta.prefill_pad_index is not None and meta.prefill_pad_index.tolist() == [0, 1, 2]
+    assert len(meta.prefill_groups) == 1 and meta.prefill_groups[0].mask is None  # fresh prompt: causal
+    assert meta.prefill_groups[0].pad_index.tolist() == [0, 1, 2]
 
 
 def test_many_decodes_split_into_length_buckets() -> None:
@@ -91,7 +93,7 @@ def test_many_decodes_split_into_length_buckets() -> None:
         seqs.append((torch.randn(n, num_kv_heads, head_dim, generator=g),
                      torch.randn(n, num_kv_heads, head_dim, generator=g),
                      torch.randn(1, num_heads, head_dim, generator=g)))
-    _, _, meta, _ = prepare_inputs(order, len(order), block_size, num_heads // num_kv_heads, torch.device("cpu"))
+    _, _, meta, _ = prepare_inputs(order, len(order), block_size, torch.device("cpu"))
     assert [(a, b) for a, b, _, _ in meta.decode_buckets] == [(0, 10), (10, 21)]
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)

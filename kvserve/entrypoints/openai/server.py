@@ -139,7 +139,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
             raise InvalidRequestError("prompt: give exactly one of prompt or messages", param="prompt")
         if req.messages is not None:
             msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-            ids = ctx.tokenizer.apply_chat_template(msgs, req.add_generation_prompt)
+            ids = ctx.apply_chat_template(msgs, req.add_generation_prompt)
         else:
             ids = ctx.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})

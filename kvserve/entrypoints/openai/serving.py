@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -71,7 +72,8 @@ class ServerContext:
         """Raises AuthenticationError unless ``Authorization: Bearer <api_key>`` matches."""
         if self.api_key is None:
             return
-        if raw.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        given = raw.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
             raise AuthenticationError("invalid or missing API key (send 'Authorization: Bearer <key>')")
 
     def check_model(self, model: str | None) -> None:
@@ -121,6 +123,23 @@ class ServerContext:
                                           param="prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return None, prompt
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        """Messages -> prompt token ids through the model's chat template.
+
+        Raises:
+            InvalidRequestError: no tokenizer, or the template refused the messages (a template may raise on
+                e.g. roles out of order; that is the client's input, never a 500).
+        """
+        if self.tokenizer is None:
+            raise InvalidRequestError("messages: chat needs a tokenizer (--skip-tokenizer-init is set)",
+                                      param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except KVServeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja errors from the model's own template
+            raise InvalidRequestError(f"messages: the chat template refused them: {e}", param="messages") from None
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
         """vLLM's rule: prompt + max_tokens must fit ``max_model_len`` (400 stating the numbers).

@@ -29,7 +29,7 @@ from kvserve.entrypoints.openai.serving import (
     unless_disconnected,
     usage,
 )
-from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.errors import KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 
 _CLIENT_CLOSED = 499
@@ -39,9 +39,7 @@ async def create_chat_completion(ctx: ServerContext, raw: Request, req: ChatComp
     """Run a chat request; raises KVServeError subclasses for every 4xx."""
     req.check_unsupported()
     ctx.check_model(req.model)
-    if ctx.tokenizer is None:
-        raise InvalidRequestError("messages: chat needs a tokenizer (--skip-tokenizer-init is set)", param="messages")
-    ids = ctx.tokenizer.apply_chat_template(req.template_messages(), req.add_generation_prompt)
+    ids = ctx.apply_chat_template(req.template_messages(), req.add_generation_prompt)
     max_tokens = req.effective_max_tokens
     ctx.check_length(len(ids), max_tokens, what="messages")
     params = req.sampling_params(max_tokens, req.num_logprobs)
