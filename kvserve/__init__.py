@@ -12,17 +12,19 @@ from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
+    from kvserve.engine.async_llm import AsyncLLM
     from kvserve.engine.llm import LLM
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.outputs import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
            "__version__"]
 
 _LAZY = {
     "LLM": "kvserve.engine.llm",
+    "AsyncLLM": "kvserve.engine.async_llm",
     "LLMEngine": "kvserve.engine.llm_engine",
     "EngineConfig": "kvserve.config",
     "CompletionOutput": "kvserve.outputs",
