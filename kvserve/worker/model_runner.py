@@ -7,7 +7,6 @@ Logits are computed only at the last scheduled token of requests that sample.
 from __future__ import annotations
 
 import logging
-from itertools import chain
 
 import torch
 
@@ -61,7 +60,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Raises whatever the model raises (the engine fails the step's requests)."""
-        for request_id in chain(so.finished_request_ids):
+        for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
         if so.blocks_to_copy:
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
