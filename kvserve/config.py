@@ -38,6 +38,17 @@ class EngineConfig:
         seed: seed of the global RNG used by requests without their own seed.
         skip_tokenizer_init: do not load a tokenizer (prompts must be token ids).
         served_model_name: the name clients use (default: ``model``).
+        enable_prefix_caching: reuse the KV of full blocks whose chained hash (tokens, model fingerprint,
+            cache salt) matches; on by default, as vLLM.
+        prefix_caching_hash_algo: ``sha256`` (collision-safe, default) | ``xxhash`` (faster, 128-bit).
+        max_num_partial_prefills: how many prompts may be mid-prefill (chunked) at once.
+        long_prefill_token_threshold: a prompt longer than this is "long" and gets at most this many
+            tokens per step (0: no cap); with ``max_num_partial_prefills > 1`` it defaults to 4 % of
+            ``max_model_len`` (as vLLM).
+        preemption_mode: ``auto`` (per victim, the cheaper of recompute and swap by the measured cost
+            model) | ``recompute`` | ``swap``.
+        swap_space: GiB of host memory for swapped-out KV blocks.
+        scheduling_policy: ``fcfs`` | ``priority`` (lower ``priority`` value runs first, as vLLM).
     """
 
     model: str = DEFAULT_MODEL
@@ -55,6 +66,13 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     served_model_name: str | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -73,6 +91,17 @@ class EngineConfig:
                  f"must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
                  f"must be >= 1, got {self.num_threads}")
+        _require(self.prefix_caching_hash_algo in ("sha256", "xxhash"), "prefix_caching_hash_algo",
+                 f"must be sha256 or xxhash, got {self.prefix_caching_hash_algo!r}")
+        _require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
+                 f"must be >= 1, got {self.max_num_partial_prefills}")
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+                 f"must be >= 0, got {self.long_prefill_token_threshold}")
+        _require(self.preemption_mode in ("auto", "recompute", "swap"), "preemption_mode",
+                 f"must be auto, recompute or swap, got {self.preemption_mode!r}")
+        _require(self.swap_space >= 0, "swap_space", f"must be >= 0 GiB, got {self.swap_space}")
+        _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+                 f"must be fcfs or priority, got {self.scheduling_policy!r}")
 
     # ---- CLI -----------------------------------------------------------------------------------
     @staticmethod
@@ -97,6 +126,14 @@ class EngineConfig:
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--skip-tokenizer-init", action="store_true")
         g.add_argument("--served-model-name", default=None)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching)
+        g.add_argument("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo, choices=["sha256", "xxhash"])
+        g.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills)
+        g.add_argument("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
+        g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["auto", "recompute", "swap"])
+        g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of host memory for swapped KV")
+        g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -13,7 +13,7 @@ thread-safe, and the HTTP thread only renders them.
 | ``prompt_tokens_total`` / ``generation_tokens_total`` | counter | prefilled / generated tokens |
 | ``request_success_total{finished_reason}`` | counter | finished requests (stop, length, abort, error) |
 | ``time_to_first_token_seconds`` ... | histogram | see ``docs/metrics.md`` |
-| ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` | counter | tokens; 0 until prefix caching |
+| ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` | counter | prompt tokens asked / hit, once per request |
 
 Gauges are refreshed after every loop iteration, including the ones that only process aborts, so they
 return to 0 as soon as the engine is idle (no stale values after a wave of cancellations).
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from kvserve.core.scheduler import SchedulerStats
 from kvserve.outputs import RequestOutput
 
 PREFIX = "kvserve:"
@@ -90,7 +91,7 @@ class EngineMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._progress: dict[str, _Progress] = {}
-        self._last_preemptions = 0
+        self._last: SchedulerStats | None = None
 
     # ---- fed by the engine loop thread ---------------------------------------------------------
     def on_added(self, request_id: str, arrival_time: float) -> None:
@@ -129,14 +130,16 @@ class EngineMetrics:
         self._success.labels(self._model_name, reason).inc()
         self.e2e.observe(now - p.arrival_time)
 
-    def update_engine_state(self, num_running: int, num_waiting: int, kv_usage: float, num_preemptions: int) -> None:
-        """Refresh the gauges from the scheduler; ``num_preemptions`` is the engine's running total."""
-        self.num_requests_running.set(num_running)
-        self.num_requests_waiting.set(num_waiting)
-        self.kv_cache_usage_perc.set(kv_usage)
-        if num_preemptions > self._last_preemptions:
-            self.num_preemptions.inc(num_preemptions - self._last_preemptions)
-            self._last_preemptions = num_preemptions
+    def update_engine_state(self, stats: SchedulerStats) -> None:
+        """Refresh the gauges from a scheduler snapshot and advance the counters by its new totals."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        last = self._last
+        self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        self._last = stats
 
     # ---- read by the HTTP side -----------------------------------------------------------------
     def render(self) -> bytes:

@@ -6,6 +6,7 @@ import enum
 import time
 from typing import NewType
 
+from kvserve.core.block_hash import BlockHash
 from kvserve.sampling_params import SamplingParams
 
 RequestId = NewType("RequestId", str)
@@ -88,6 +89,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.first_scheduled_time: float | None = None
+        # Chained hashes of the full blocks of all_token_ids (prefix caching; filled by the BlockManager).
+        self.block_hashes: list[BlockHash] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,13 +30,18 @@ class SchedulerOutput:
 
     Attributes:
         scheduled: the requests of this step, running ones first, then newly admitted ones.
-        blocks_to_copy: ``(src, dst)`` block copies to do before the forward pass (copy-on-write).
+        blocks_to_swap_out: ``(device_block, host_block)`` copies device -> host swap pool, done first
+            (the device blocks may be reused by this very step).
+        blocks_to_swap_in: ``(host_block, device_block)`` copies host swap pool -> device, done second.
+        blocks_to_copy: ``(src, dst)`` device block copies (copy-on-write), done third, before the forward.
         preempted_request_ids: requests preempted by recompute this step (their blocks are already freed).
         finished_request_ids: requests finished or aborted since the previous step (drop their state).
     """
 
     scheduled: list[ScheduledRequest]
     blocks_to_copy: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
 
@@ -69,9 +74,13 @@ class ModelRunnerOutput:
         logprobs: per entry of ``req_ids``, the logprobs when the request asked for them, else None.
         prompt_logprobs: per request id, logprobs of the prompt positions computed this step
             (position 0 has none); only for requests that asked for ``prompt_logprobs``.
+        swap_bytes: bytes copied between device and host swap pool this step (out + in).
+        swap_seconds: wall time of those copies (the engine's copy-bandwidth estimate uses both).
     """
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    swap_bytes: int = 0
+    swap_seconds: float = 0.0

@@ -326,6 +326,4 @@ class AsyncLLM:
             self.metrics.on_aborted(request_id, time.monotonic())
 
     def _update_gauges(self) -> None:
-        e = self.engine
-        self.metrics.update_engine_state(e.scheduler.num_running, e.scheduler.num_waiting, e.kv_cache_usage(),
-                                         e.num_preemptions)
+        self.metrics.update_engine_state(self.engine.scheduler.make_stats())

@@ -39,7 +39,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of ``prompts``.
 
         Args:
-            prompts: a string, a list of token ids, ``{"prompt_token_ids": [...]}``, or a list of these.
+            prompts: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` or ``{"prompt": ...}``
+                (either dict may carry ``"cache_salt"``: prefix-cache isolation, as vLLM), or a list of these.
             sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
 
         Raises:
@@ -56,7 +57,8 @@ class LLM:
         ids: list[str] = []
         try:
             for p, sp in zip(batch, params, strict=True):
-                ids.append(self.engine.add_request(None, p, sp))
+                salt = p.get("cache_salt") if isinstance(p, dict) else None
+                ids.append(self.engine.add_request(None, p, sp, cache_salt=salt))
         except Exception:
             self.engine.abort_request(ids)
             raise
@@ -71,6 +73,14 @@ class LLM:
         prompts: list[PromptType] = [
             {"prompt_token_ids": self.engine.tokenizer.apply_chat_template(list(c))} for c in convs]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_prefix_cache_stats(self) -> dict[str, float]:
+        """Prefix-cache hit rate and counters since start (see ``LLMEngine.prefix_cache_stats``)."""
+        return self.engine.prefix_cache_stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request uses (e.g. between benchmark runs); returns how many."""
+        return self.engine.reset_prefix_cache()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

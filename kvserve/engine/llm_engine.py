@@ -7,10 +7,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +25,7 @@ from kvserve.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.loader import load_weights
+from kvserve.models.registry import ModelArchConfig
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -32,6 +36,25 @@ from kvserve.worker.model_runner import ModelRunner, build_model
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokenizer | None,
+                      kv_dtype: torch.dtype) -> str:
+    """A sha256 hex digest naming everything that decides a KV block's contents besides its tokens.
+
+    Covers the weights (each weight file's resolved path, size and modification time), the architecture
+    config, the tokenizer (its full serialized form) and the KV dtype. Mixed into every prefix-cache block
+    hash, so KV computed by one model can never be served to a request of another.
+    """
+    files = sorted(model_path.iterdir()) if model_path.is_dir() else [model_path]
+    weights = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.is_file()]
+    parts = {
+        "weights": weights,
+        "arch": asdict(arch),
+        "tokenizer": hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest() if tokenizer else None,
+        "kv_dtype": str(kv_dtype),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -113,7 +136,9 @@ class LLMEngine:
             self.tokenizer = Tokenizer.from_path(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else arch.eos_token_id
         self.num_blocks = self._num_blocks(model)
-        self.block_manager = BlockManager(self.num_blocks, config.block_size)
+        self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.dtype)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.prefix_caching_hash_algo, self.fingerprint)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill),
@@ -217,8 +242,11 @@ class LLMEngine:
             self._seq_to_group[seq.request.request_id] = group
             if max_tokens == 0:
                 seq.request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            else:
-                self.scheduler.add_request(seq.request)
+        if max_tokens > 0:
+            # n > 1: sample 0 computes the prompt; the others fork its blocks (Scheduler.add_forks).
+            self.scheduler.add_request(group.sequences[0].request)
+            if params.n > 1:
+                self.scheduler.add_forks(group.sequences[0].request, [seq.request for seq in group.sequences[1:]])
         if group.finished:
             self._pending.append(self._finish_group(group))
         return request_id
@@ -325,3 +353,16 @@ class LLMEngine:
 
     def kv_cache_usage(self) -> float:
         return self.block_manager.usage
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prefix-cache counters since start: ``queries`` and ``hits`` in prompt tokens (each request
+        counted once, at its first admission), ``hit_rate`` = hits / queries (0 before any query), and
+        ``cached_blocks`` / ``evictions`` in blocks."""
+        s, bm = self.scheduler, self.block_manager
+        return {"queries": s.prefix_cache_queries, "hits": s.prefix_cache_hits,
+                "hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+                "cached_blocks": bm.num_cached_blocks, "evictions": bm.num_evictions}
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request uses; returns how many were dropped."""
+        return self.block_manager.reset_prefix_cache()
