@@ -37,10 +37,6 @@ def _greedy(llm: LLM, ids: list[int], max_tokens: int) -> list[int]:
     return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_BC_01_warm_prefix_cache_changes_greedy_answer() -> None:
-    pytest.skip("needs prefix caching (issue: prefix caching with tenant-safe block hashes)")
-
-
 def test_BC_04_lora_reload_serves_stale_kv() -> None:
     pytest.skip("needs LoRA adapters (not planned yet)")
 
@@ -262,8 +258,56 @@ def test_BC_17_seeded_request_with_unseeded_neighbour(server: Server) -> None:
     assert first == second and len({tuple(t) for t in first}) > 1
 
 
-def test_BC_16_preemption_recompute_not_counted_as_hits() -> None:
-    pytest.skip("needs prefix-cache hit metrics (prefix caching issue)")
+_PARAGRAPH = (
+    "Rivers shape the land in slow and patient ways. Rain gathers in the hills, runs into streams, and the "
+    "streams join until the water has the weight to move stones. Over thousands of years a river cuts a "
+    "valley, drops silt where it slows, and builds wide plains that farmers have planted for as long as there "
+    "have been farms. Cities grew beside rivers because rivers brought water, food, trade and a road that "
+    "needed no paving. Floods were the price: the same water that fed the fields could take the houses. "
+    "Engineers built levees and dams, and each one changed how the river moved its sand and its fish. Today "
+    "people are learning to give some rivers room again, letting wetlands soak up the floods and return the "
+    "water slowly, which is cheaper than higher walls and better for the birds that nest along the banks."
+)
+
+
+def test_BC_01_warm_prefix_cache_changes_greedy_answer(server: Server) -> None:
+    """4 sequential greedy requests on a caching server (its module server, {L} = 256: a ~190-token paragraph
+    and 48 output tokens instead of ~300 and 64) equal each other and the caching-off engine's output."""
+    body = {"prompt": _PARAGRAPH, "max_tokens": 48, "temperature": 0, "logprobs": 0, "ignore_eos": True}
+    hits_before = server.metrics()["kvserve:prefix_cache_hits_total"]
+    responses = [_post(server, "/v1/completions", body).json() for _ in range(4)]
+    runs = [r["choices"][0]["logprobs"]["tokens"] for r in responses]
+    assert all(run == runs[0] for run in runs) and len(runs[0]) == 48
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in responses]
+    assert cached[1] > 0 and cached[1] == cached[2] == cached[3]
+    assert server.metrics()["kvserve:prefix_cache_hits_total"] - hits_before >= 3 * cached[1]
+    off = LLM(MODEL, enable_prefix_caching=False, max_model_len=L, kv_cache_memory=0.05)
+    tok = off.engine.tokenizer
+    assert tok is not None
+    out = off.generate([_PARAGRAPH], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert [tok.decode([t], skip_special_tokens=False) for t in out.token_ids] == runs[0]
+    assert responses[0]["choices"][0]["text"] == out.text
+
+
+def test_BC_16_preemption_recompute_not_counted_as_hits(server: Server) -> None:
+    """Scaled to the module server (48 blocks of 16 tokens, 8 running): 12 concurrent requests with unique
+    random 96-token prompts and 48 output tokens need 8 x 144 tokens at once, so requests are preempted
+    and recomputed; their re-admissions must not count as prefix-cache hits."""
+    before = server.metrics()
+    bodies = [{"prompt": _ids(96, 1600 + i), "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+              for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda b: _post(server, "/v1/completions", b, timeout=600), bodies))
+    assert all(r.status_code == 200 for r in results)
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in results)
+    after = server.wait_for(is_idle, 10)
+    queries = after["kvserve:prefix_cache_queries_total"] - before["kvserve:prefix_cache_queries_total"]
+    hits = after["kvserve:prefix_cache_hits_total"] - before["kvserve:prefix_cache_hits_total"]
+    assert after["kvserve:num_preemptions_total"] > before["kvserve:num_preemptions_total"]
+    assert queries == 12 * 96
+    assert 0 <= hits <= queries and hits / queries < 0.01
+    assert all(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for r in results)
 
 
 def test_BC_19_ngram_spec_decode_changes_greedy() -> None:
@@ -295,4 +339,40 @@ def test_BC_23_quantized_kv_cache_quality() -> None:
 
 
 def test_BC_24_bench_itl_excludes_ttft() -> None:
-    pytest.skip("needs the serving benchmark (benchmark issue)")
+    """Stub SSE server: first token after 500 ms, then one token per chunk every 10 ms; 20 requests of 50
+    tokens. TTFT ≈ 500 ms, ITL ≈ 10 ms with no sample near 500 ms, 49 ITL samples per request, TPOT =
+    (E2E − TTFT) / 49, monotone percentiles, goodput counting only requests meeting every SLO. Variant:
+    3 tokens per chunk -> ITL split per token (token counts from logprobs), output tokens from usage."""
+    import asyncio
+
+    from kvserve.bench.datasets import SampleRequest
+    from kvserve.bench.metrics import SLO, summarize
+    from kvserve.bench.serve import ClientConfig, LoadSpec, run_load
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from stub_server import StubConfig, stub_server
+
+    async def run(cfg: StubConfig) -> tuple[list[Any], float]:
+        async with stub_server(cfg) as url:
+            reqs = [SampleRequest("hello", 1, 50) for _ in range(20)]
+            # arrivals spread at 50 req/s: 20 simultaneous connects would add their setup time to TTFT here
+            return await run_load(ClientConfig(url, "stub"), reqs, LoadSpec(request_rate=50.0), progress=False)
+
+    results, duration = asyncio.run(run(StubConfig(first_delay_s=0.5, token_gap_s=0.010)))
+    s = summarize(results, duration, SLO(ttft_s=0.6, tpot_s=0.02))
+    assert s["completed"] == 20
+    assert abs(s["ttft_s"]["p50"] - 0.5) <= 0.03
+    assert abs(s["itl_s"]["p50"] - 0.010) <= 0.005 and abs(s["itl_s"]["p99"] - 0.010) <= 0.005
+    for r in results:
+        assert len(r.itl) == 49 and max(r.itl) < 0.4 and r.output_tokens == 50
+        assert r.tpot == pytest.approx((r.e2e - r.ttft) / 49)
+    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
+    assert s["good_requests"] == 20
+    # every request meets the TTFT SLO but not the TPOT one: none is good
+    strict = summarize(results, duration, SLO(ttft_s=0.6, tpot_s=0.005))
+    assert strict["good_requests"] == 0 and strict["goodput"] == 0 and strict["slo_violation_rate"] == 1
+
+    results, _ = asyncio.run(run(StubConfig(first_delay_s=0.5, token_gap_s=0.010, tokens_per_chunk=3)))
+    for r in results:
+        assert r.output_tokens == 50 and len(r.itl) == 49 and max(r.itl) < 0.4
