@@ -9,7 +9,10 @@ thread-safe, and the HTTP thread only renders them.
 |---|---|---|
 | ``num_requests_running`` / ``num_requests_waiting`` | gauge | sequences in the scheduler's queues |
 | ``kv_cache_usage_perc`` | gauge | fraction (0..1) of KV blocks in use |
-| ``num_preemptions_total`` | counter | preemptions since start |
+| ``num_requests_swapped`` | gauge | requests preempted by swap, waiting to resume |
+| ``num_partial_prefills`` | gauge | running requests whose prompt is not fully computed (mid-prefill) |
+| ``num_preemptions_total{mode}`` | counter | preemptions since start, by ``recompute`` / ``swap`` |
+| ``swapped_bytes_total`` | counter | KV bytes copied between device and host swap pool (out + in) |
 | ``prompt_tokens_total`` / ``generation_tokens_total`` | counter | prefilled / generated tokens |
 | ``request_success_total{finished_reason}`` | counter | finished requests (stop, length, abort, error) |
 | ``time_to_first_token_seconds`` ... | histogram | see ``docs/metrics.md`` |
@@ -74,7 +77,13 @@ class EngineMetrics:
         self.num_requests_running = gauge("num_requests_running", "Sequences running (in the batch).")
         self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
-        self.num_preemptions = counter("num_preemptions", "Preemptions since start.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to the host pool.")
+        self.num_partial_prefills = gauge("num_partial_prefills", "Running requests still prefilling their prompt.")
+        self._preemptions = Counter(PREFIX + "num_preemptions", "Preemptions since start, by mode.",
+                                    ["model_name", "mode"], registry=r)
+        for mode in ("recompute", "swap"):
+            self._preemptions.labels(model_name, mode)
+        self.swapped_bytes = counter("swapped_bytes", "KV bytes copied by swap-out and swap-in.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at the first token).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
@@ -135,8 +144,14 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_requests_swapped.set(stats.num_swapped)
+        self.num_partial_prefills.set(stats.num_partial_prefills)
         last = self._last
-        self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self._preemptions.labels(self._model_name, "recompute").inc(
+            stats.num_preemptions_recompute - (last.num_preemptions_recompute if last else 0))
+        self._preemptions.labels(self._model_name, "swap").inc(
+            stats.num_preemptions_swap - (last.num_preemptions_swap if last else 0))
+        self.swapped_bytes.inc(stats.swapped_bytes - (last.swapped_bytes if last else 0))
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self._last = stats

@@ -17,11 +17,12 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    PREEMPTED = 2  # preempted by recompute: back in the waiting queue, its KV dropped
+    SWAPPED = 3  # preempted by swap: its KV in the host swap pool, resumes before new requests
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:

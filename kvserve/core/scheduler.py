@@ -1,41 +1,120 @@
 """Scheduler: token-centric continuous batching over the paged KV cache.
 
-Each step hands out a token budget (``max_num_batched_tokens``): running requests first (one token each
-when decoding, a chunk when still prefilling), then waiting requests in arrival order while blocks and
-``max_num_seqs`` allow. Each request gets ``min(num_tokens - num_computed_tokens, budget left)`` tokens:
-that cap *is* chunked prefill. When a running request cannot get a block, the most recently admitted
-running request is preempted by recompute: its blocks are freed, ``num_computed_tokens`` goes back to 0
-and it returns to the front of the waiting queue (its output so far is kept and recomputed as prompt).
+One step hands out a token budget (``max_num_batched_tokens``) in this order:
+
+1. running requests that decode get their one token each (so a long prompt never stalls a stream);
+2. running requests still prefilling get their next chunk;
+3. swapped-out requests resume (their KV is copied back from the host pool), before any new request;
+4. waiting requests are admitted in policy order (``fcfs``: arrival; ``priority``: lower value first), each
+   after a prefix-cache lookup, while blocks, ``max_num_seqs`` and the budget allow.
+
+A prefill chunk is ``min(tokens left, budget left)``, at most ``long_prefill_token_threshold`` for a long
+prompt, and a chunk that does not finish its prompt is never smaller than ``min_prefill_chunk`` (a tiny
+chunk pays a whole forward pass for little work). At most ``max_num_partial_prefills`` prompts are
+mid-prefill (admitted, not fully computed) at once. With chunked prefill off, a prompt is admitted only
+when it fits the budget whole.
+
+When a running request cannot get a block, a victim is preempted: the newest admitted request (``fcfs``)
+or the lowest-priority, newest one (``priority``). It is preempted by **recompute** (blocks freed, back to
+the waiting queue, its tokens so far recomputed as a prompt) or by **swap** (its computed blocks copied to
+the host pool, resumed later by copying them back), chosen per victim by ``preemption_mode``; ``auto``
+picks the cheaper by the cost model (``kvserve.cost_model.preempt_choice``: ``tokens / prefill speed`` vs
+``2 × KV bytes / copy bandwidth``), with speeds the engine measures (``PerfEstimates``). Under the
+priority policy a waiting request may also preempt a running one of strictly lower priority.
+No request is admitted or resumed in a step that preempted for lack of blocks.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvserve.core.block_manager import BlockManager
+from kvserve.core.block_manager import BlockId, BlockManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvserve.core.stop_checker import check_stop
+from kvserve.cost_model import preempt_choice
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one scheduling step.
+    """Limits and policies of scheduling.
 
     Attributes:
-        max_num_seqs: most running requests.
+        max_num_seqs: most running requests (forked samples of an admitted request may exceed it).
         max_num_batched_tokens: token budget per step.
         max_model_len: longest sequence in tokens (prompt + output).
         enable_chunked_prefill: False: a prompt is only admitted when it fits the budget whole.
+        max_num_partial_prefills: most prompts mid-prefill at once.
+        long_prefill_token_threshold: per-step cap on a long prompt's chunk (0: none; with
+            ``max_num_partial_prefills > 1`` it defaults to 4 % of ``max_model_len``, as vLLM).
+        preemption_mode: ``recompute`` | ``swap`` | ``auto``.
+        scheduling_policy: ``fcfs`` | ``priority``.
+        num_host_blocks: blocks of the host swap pool (0: swap impossible, every preemption recomputes).
+        block_bytes: bytes of one KV block over all layers, K and V (swap accounting and the cost model).
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    num_host_blocks: int = 0
+    block_bytes: int = 0
+
+    @property
+    def long_prefill_cap(self) -> int:
+        """Tokens per step of a long prompt (0: uncapped)."""
+        if self.long_prefill_token_threshold > 0:
+            return self.long_prefill_token_threshold
+        return max(1, self.max_model_len * 4 // 100) if self.max_num_partial_prefills > 1 else 0
+
+    @property
+    def min_prefill_chunk(self) -> int:
+        """Smallest chunk that leaves a prompt unfinished: 1/8 of the budget, at most 64 tokens."""
+        return max(1, min(64, self.max_num_batched_tokens // 8))
+
+
+@dataclass
+class PerfEstimates:
+    """The speeds the ``auto`` preemption choice uses, measured by the engine (0: not measured yet).
+
+    Attributes:
+        prefill_tokens_per_s: tokens per second of prefill forward passes.
+        copy_bytes_per_s: bytes per second of device <-> host swap copies.
+    """
+
+    prefill_tokens_per_s: float = 0.0
+    copy_bytes_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler for metrics (vLLM's ``SchedulerStats``); counters are totals since start.
+
+    Attributes:
+        kv_cache_usage: fraction (0..1) of KV blocks in use (cached-but-free blocks count as free).
+        num_partial_prefills: running requests whose prompt is not fully computed.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found, each request once.
+        swapped_bytes: bytes copied by swaps, out and in.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_partial_prefills: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    swapped_bytes: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 @dataclass
@@ -48,38 +127,39 @@ class RequestUpdate:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of the scheduler for metrics (vLLM's ``SchedulerStats``); counters are totals since start.
+@dataclass
+class _Step:
+    """The plan being built by one ``schedule()`` call."""
 
-    Attributes:
-        kv_cache_usage: fraction (0..1) of KV blocks in use (cached-but-free blocks count as free).
-        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found, each request once.
-    """
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    budget: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
+    swapped_in: set[str] = field(default_factory=set)
+    tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens scheduled this step
 
 
 class Scheduler:
     """Decides, every step, which requests compute how many tokens. Torch-free.
 
     Args:
-        config: step limits.
+        config: step limits and policies.
         block_manager: the KV block allocator the scheduler owns the use of.
+        perf: measured speeds for the ``auto`` preemption choice (the engine updates them as it runs).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, perf: PerfEstimates | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
+        self.perf = perf or PerfEstimates()
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        self.swapped_bytes = 0
         self._finished_ids: list[str] = []
         # Prefix-cache counters in tokens; each request is counted once, at its first admission (a
         # preempted request finding its own blocks again is not a hit: BC-16).
@@ -88,12 +168,26 @@ class Scheduler:
         # Parallel sampling: samples waiting for their leader's prompt to be computed, then forked.
         self._forks: dict[str, list[Request]] = {}
         self._fork_of: dict[str, str] = {}
+        # Host swap pool: free host block ids, the host blocks of each swapped request, and host blocks
+        # released during a step (they are read by that step's swap-in: reusable from the next step).
+        self._host_free: list[int] = list(range(config.num_host_blocks - 1, -1, -1))
+        self.host_tables: dict[str, list[int]] = {}
+        self._host_release: list[int] = []
 
     # ---- queue management ----------------------------------------------------------------------
+    def _key(self, request: Request) -> tuple[int, float]:
+        """Policy order: lower runs first. fcfs: arrival time; priority: (priority, arrival time)."""
+        if self.config.scheduling_policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (0, request.arrival_time)
+
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.config.scheduling_policy == "priority":
+            bisect.insort_right(self.waiting, request, key=self._key)
+        else:
+            self.waiting.append(request)
 
     def add_forks(self, leader: Request, samples: list[Request]) -> None:
         """Parallel sampling (n > 1): ``samples`` share ``leader``'s prompt blocks instead of computing them.
@@ -122,7 +216,7 @@ class Scheduler:
             self.running.append(sample)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish (abort, stop, fail) requests wherever they are; frees all their blocks.
+        """Finish (abort, stop, fail) requests wherever they are; frees all their blocks (device and host).
 
         Samples of a leader that was not forked yet are finished with it. Unknown or already finished
         ids are ignored. Returns the requests that were finished now.
@@ -144,10 +238,8 @@ class Scheduler:
                 del self._fork_of[sample.request_id]
                 self._finish(sample, status)
                 done.append(sample)
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
+                request.status, self.waiting).remove(request)
             self._finish(request, status)
             done.append(request)
         return done
@@ -155,6 +247,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.block_manager.free(request.request_id)
+        self._host_release.extend(self.host_tables.pop(request.request_id, []))
         self._finished_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -168,45 +261,134 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
+
     def make_stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.block_manager.usage, self.num_preemptions,
-                              self.prefix_cache_queries, self.prefix_cache_hits)
+        partial = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        return SchedulerStats(
+            len(self.running), len(self.waiting), len(self.swapped), partial, self.block_manager.usage,
+            self.num_preemptions, self.num_preemptions_by_mode["recompute"], self.num_preemptions_by_mode["swap"],
+            self.swapped_bytes, self.prefix_cache_queries, self.prefix_cache_hits)
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token budget. See the module docstring for the rules."""
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
+        self._host_free.extend(self._host_release)  # last step's swap-ins have been read
+        self._host_release = []
+        step = _Step(self.config.max_num_batched_tokens)
         bm = self.block_manager
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        # 1-2. running requests: decodes first, then prefill chunks (each in running order).
+        order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in order:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(request, step, admitted=True)
+            if num_new == 0:
+                continue
             while not bm.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
+                victim = self._victim()
+                self._preempt(victim, step)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
-                i += 1
+                self._schedule(request, num_new, step)
 
-        # Admit waiting requests (none while we are short of blocks: they would be preempted at once).
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 3. swapped requests resume before new ones; 4. then waiting requests are admitted.
+        if not step.preempted:
+            self._resume_swapped(step)
+        if not step.preempted and not self.swapped:
+            self._admit_waiting(step)
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=step.scheduled,
+            blocks_to_copy=bm.take_pending_copies(),
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_swap_in=step.swap_in,
+            preempted_request_ids=step.preempted,
+            finished_request_ids=finished,
+        )
+
+    def _num_new_tokens(self, request: Request, step: _Step, admitted: bool, num_computed: int | None = None) -> int:
+        """Tokens ``request`` computes this step under the budget and prefill rules (0: not this step)."""
+        computed = request.num_computed_tokens if num_computed is None else num_computed
+        remaining = request.num_tokens - computed
+        if step.budget <= 0:
+            return 0
+        if remaining == 1:
+            return 1
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= step.budget else 0
+        num_new = min(remaining, step.budget)
+        cap = self.config.long_prefill_cap
+        if cap and remaining > cap:
+            num_new = min(num_new, cap)
+        if num_new < remaining:  # stays mid-prefill after this step
+            if num_new < self.config.min_prefill_chunk:
+                return 0
+            if not admitted and self._num_partial(step) >= self.config.max_num_partial_prefills:
+                return 0
+        return num_new
+
+    def _num_partial(self, step: _Step) -> int:
+        """Prompts that will still be mid-prefill after this step, as planned so far."""
+        return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1
+                   and r.num_computed_tokens + step.tokens.get(r.request_id, 0) < r.num_tokens)
+
+    def _schedule(self, request: Request, num_new: int, step: _Step) -> None:
+        step.scheduled.append(ScheduledRequest(
+            request=request,
+            num_computed_tokens=request.num_computed_tokens,
+            num_scheduled_tokens=num_new,
+            block_table=list(self.block_manager.get_block_table(request.request_id)),
+            sample=request.num_computed_tokens + num_new == request.num_tokens,
+        ))
+        step.budget -= num_new
+        step.tokens[request.request_id] = num_new
+
+    def _resume_swapped(self, step: _Step) -> None:
+        bm = self.block_manager
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = self._num_new_tokens(request, step, admitted=False)
+            if num_new == 0:
+                break
+            # A fresh block table: its first blocks receive the swapped-in KV, the rest the new tokens.
+            if not bm.allocate_slots(request.request_id, 0, request.num_computed_tokens + num_new):
+                break
+            self.swapped.pop(0)
+            host = self.host_tables.pop(request.request_id)
+            table = bm.get_block_table(request.request_id)
+            step.swap_in.extend(zip(host, table[:len(host)], strict=True))
+            self._host_release.extend(host)
+            self.swapped_bytes += len(host) * self.config.block_bytes
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.swapped_in.add(request.request_id)
+            self._schedule(request, num_new, step)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        bm = self.block_manager
+        while self.waiting and step.budget > 0:
             request = self.waiting[0]
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_for(request, step):
+                    continue
+                break
             hits = bm.get_computed_blocks(request)
             num_computed = len(hits) * bm.block_size
-            remaining = request.num_tokens - num_computed
-            if not self.config.enable_chunked_prefill and remaining > budget:
+            num_new = self._num_new_tokens(request, step, admitted=False, num_computed=num_computed)
+            if num_new == 0:
                 break
-            num_new = min(remaining, budget)
             if not bm.allocate_slots(request.request_id, num_computed, num_new, hits):
+                if self._preempt_for(request, step):
+                    continue
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.first_scheduled_time is None:
@@ -216,37 +398,103 @@ class Scheduler:
                     self.prefix_cache_queries += request.num_tokens
                     self.prefix_cache_hits += num_computed
             self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            self._schedule(request, num_new, step)
 
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(
-            scheduled=scheduled,
-            blocks_to_copy=bm.take_pending_copies(),
-            preempted_request_ids=preempted,
-            finished_request_ids=finished,
-        )
+    def recompute_swapped(self, request_ids: Iterable[str]) -> None:
+        """Turn swapped requests into recompute ones (their host copy is not trusted: the step that swapped
+        them out failed). Unknown or not-swapped ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.SWAPPED:
+                continue
+            self.swapped.remove(request)
+            self._host_release.extend(self.host_tables.pop(request_id))
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self._requeue(request)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(
-            request=request,
-            num_computed_tokens=request.num_computed_tokens,
-            num_scheduled_tokens=num_new,
-            block_table=list(self.block_manager.get_block_table(request.request_id)),
-            sample=request.num_computed_tokens + num_new == request.num_tokens,
-        )
+    # ---- preemption ----------------------------------------------------------------------------
+    def _victim(self, exclude: set[str] | None = None) -> Request:
+        """The running request to preempt first: the newest (fcfs) or the lowest-priority newest one."""
+        candidates = [r for r in self.running if not exclude or r.request_id not in exclude]
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: free the blocks, back to the front of the waiting queue."""
-        self.block_manager.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+    def _preempt_for(self, request: Request, step: _Step) -> bool:
+        """Priority policy: preempt a running request of strictly lower priority to admit ``request``."""
+        if self.config.scheduling_policy != "priority" or not self.running:
+            return False
+        candidates = [r for r in self.running if r.request_id not in step.swapped_in]
+        if not candidates:
+            return False
+        victim = self._victim(step.swapped_in)
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, step)
+        return True
+
+    def _requeue(self, request: Request) -> None:
+        """A recomputed request goes back to waiting: at the front (fcfs), or by its priority."""
+        if self.config.scheduling_policy == "priority":
+            bisect.insort_left(self.waiting, request, key=self._key)
+        else:
+            self.waiting.insert(0, request)
+
+    def _mode_for(self, victim: Request) -> str:
+        """``swap`` or ``recompute`` for this victim (see the module docstring)."""
+        mode = self.config.preemption_mode
+        num_blocks = self.block_manager.num_blocks_for(victim.num_computed_tokens)
+        if mode == "recompute" or num_blocks == 0 or num_blocks > len(self._host_free):
+            return "recompute"
+        if mode == "swap":
+            return "swap"
+        perf = self.perf
+        if perf.prefill_tokens_per_s <= 0 or perf.copy_bytes_per_s <= 0 or self.config.block_bytes <= 0:
+            return "recompute"
+        kv_bytes_per_token = self.config.block_bytes // self.block_manager.block_size
+        return preempt_choice(victim.num_computed_tokens, kv_bytes_per_token, perf.prefill_tokens_per_s,
+                              perf.copy_bytes_per_s)
+
+    def _preempt(self, victim: Request, step: _Step) -> None:
+        """Preempt a running request by swap or recompute; undo its share of this step if it had one."""
+        for i, s in enumerate(step.scheduled):
+            if s.request is victim:
+                del step.scheduled[i]
+                step.budget += s.num_scheduled_tokens
+                del step.tokens[victim.request_id]
+                break
+        bm = self.block_manager
+        self.running.remove(victim)
+        mode = self._mode_for(victim)
+        # A copy-on-write queued this step for the victim has not run: its destination still holds
+        # garbage, the source the right contents. Swap the source out instead, and drop the copy.
+        pending = {dst: src for src, dst in bm.pending_copies}
+        table = bm.get_block_table(victim.request_id)
+        bm.pending_copies = [(src, dst) for src, dst in bm.pending_copies if dst not in table]
+        if mode == "swap":
+            num_blocks = bm.num_blocks_for(victim.num_computed_tokens)
+            host = [self._host_free.pop() for _ in range(num_blocks)]
+            step.swap_out.extend((pending.get(b, b), h) for b, h in zip(table[:num_blocks], host, strict=True))
+            self.host_tables[victim.request_id] = host
+            self.swapped_bytes += num_blocks * self.config.block_bytes
+            bm.free(victim.request_id)
+            victim.status = RequestStatus.SWAPPED
+            bisect.insort_right(self.swapped, victim, key=self._key)
+        else:
+            bm.free(victim.request_id)
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+            self._requeue(victim)
+        victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.num_preemptions_by_mode[mode] += 1
+        step.preempted.append(victim.request_id)
 
+    # ---- after the step ------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
-        """Advance ``num_computed_tokens``, append sampled tokens, finish requests that hit a stop.
+        """Advance ``num_computed_tokens``, commit full blocks to the prefix cache, append sampled tokens,
+        fork the samples of leaders whose prompt is done, finish requests that hit a stop.
 
         Returns one update per request that got a token (or prompt logprobs) this step; finished requests
         have a final ``status`` and no blocks.

@@ -21,7 +21,8 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.core.block_manager import BlockManager
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from kvserve.core.scheduler import PerfEstimates, RequestUpdate, Scheduler, SchedulerConfig
+from kvserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.loader import load_weights
@@ -30,7 +31,7 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.tokenizer.tokenizer import Tokenizer
-from kvserve.worker.kv_cache import GiB, block_bytes, num_blocks_for_budget
+from kvserve.worker.kv_cache import GiB, block_bytes, num_blocks_for_budget, num_host_blocks_for
 from kvserve.worker.model_runner import ModelRunner, build_model
 
 logger = logging.getLogger(__name__)
@@ -139,11 +140,22 @@ class LLMEngine:
         self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.dtype)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.prefix_caching_hash_algo, self.fingerprint)
+        num_host_blocks = 0
+        if config.preemption_mode != "recompute":
+            num_host_blocks = num_host_blocks_for(config.swap_space, arch, config.block_size, self.dtype)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.enable_chunked_prefill),
+                            config.enable_chunked_prefill, config.max_num_partial_prefills,
+                            config.long_prefill_token_threshold, config.preemption_mode, config.scheduling_policy,
+                            num_host_blocks, self.kv_block_bytes()),
             self.block_manager)
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device)
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, num_host_blocks)
+        self.perf: PerfEstimates = self.scheduler.perf
+        if config.preemption_mode == "auto" and num_host_blocks > 0:
+            # The cost model's two speeds, measured here and then updated by every step (EMA).
+            self.perf.copy_bytes_per_s = self.runner.measure_copy_bandwidth()
+            self.perf.prefill_tokens_per_s = self.runner.measure_prefill_speed(
+                min(256, config.max_num_batched_tokens, self.max_model_len))
         self.groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._pending: list[RequestOutput] = []
@@ -277,12 +289,15 @@ class LLMEngine:
         """
         outputs, self._pending = self._pending, []
         so = self.scheduler.schedule()
-        if so.is_empty:
+        if so.is_empty and not so.blocks_to_swap_out:
             return outputs
         try:
+            t0 = time.perf_counter()
             runner_out = self.runner.execute_model(so)
+            self._update_perf(so, runner_out, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("model step failed; failing its %d requests", len(so.scheduled))
+            self.scheduler.recompute_swapped(so.preempted_request_ids)
             failed = {g.request_id: g for g in (self._seq_to_group[s.request.request_id] for s in so.scheduled)}
             for group in failed.values():
                 seq_ids = [seq.request.request_id for seq in group.sequences]
@@ -302,6 +317,23 @@ class LLMEngine:
         for group in changed.values():
             outputs.append(self._finish_group(group) if group.finished else self._make_output(group))
         return outputs
+
+    _EMA = 0.2  # weight of the newest sample in the running speed estimates
+
+    def _update_perf(self, so: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
+        """Refresh the cost model's speeds from this step: copy bandwidth from its swaps, prefill speed from
+        steps that are mostly prefill (>= 64 prefill tokens making >= 75 % of the step's tokens)."""
+        perf, a = self.perf, self._EMA
+        if out.swap_bytes > 0 and out.swap_seconds > 0:
+            sample = out.swap_bytes / out.swap_seconds
+            perf.copy_bytes_per_s = sample if perf.copy_bytes_per_s <= 0 else (
+                (1 - a) * perf.copy_bytes_per_s + a * sample)
+        prefill = sum(s.num_scheduled_tokens for s in so.scheduled if s.num_scheduled_tokens > 1)
+        total = so.total_num_scheduled_tokens
+        if prefill >= 64 and prefill >= 0.75 * total and seconds > out.swap_seconds:
+            sample = total / (seconds - out.swap_seconds)
+            perf.prefill_tokens_per_s = sample if perf.prefill_tokens_per_s <= 0 else (
+                (1 - a) * perf.prefill_tokens_per_s + a * sample)
 
     def _apply_update(self, group: _Group, upd: RequestUpdate) -> None:
         seq = group.sequences[0] if len(group.sequences) == 1 else next(

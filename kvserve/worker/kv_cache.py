@@ -32,3 +32,31 @@ def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, d
     shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(arch.num_hidden_layers)]
+
+
+def num_host_blocks_for(swap_space_gib: float, arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """How many KV blocks ``swap_space_gib`` GiB of host memory holds (floor; 0 when it is 0).
+
+    Same block geometry as the device cache, so one host block holds exactly one device block.
+    Raises ValueError for a negative size.
+    """
+    if swap_space_gib < 0:
+        raise ValueError(f"swap_space must be >= 0 GiB, got {swap_space_gib}")
+    return int(int(swap_space_gib * GiB) // block_bytes(arch, block_size, dtype))
+
+
+def allocate_host_swap_pool(arch: ModelArchConfig, num_host_blocks: int, block_size: int, dtype: torch.dtype,
+                            device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k, v) host tensors ``[num_host_blocks, block_size, num_kv_heads, head_dim]`` for swapped blocks.
+
+    Always on CPU; pinned (page-locked) when ``device`` is CUDA so copies can be asynchronous DMA.
+    ``torch.empty``, not zeros: a block is only ever read back after it was written by a swap-out, and
+    untouched pages of a multi-GiB pool then cost no memory. On a CPU device this is simply a second pool
+    in the same RAM. Empty list when ``num_host_blocks`` is 0.
+    """
+    if num_host_blocks <= 0:
+        return []
+    shape = (num_host_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    pin = device.type == "cuda"
+    return [(torch.empty(shape, dtype=dtype, pin_memory=pin), torch.empty(shape, dtype=dtype, pin_memory=pin))
+            for _ in range(arch.num_hidden_layers)]

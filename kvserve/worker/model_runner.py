@@ -7,17 +7,25 @@ Logits are computed only at the last scheduled token of requests that sample.
 from __future__ import annotations
 
 import logging
+import math
+import statistics
+import time
 
+import numpy as np
 import torch
 
+from kvserve.core.block_manager import BlockId
 from kvserve.core.request import Request
-from kvserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from kvserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvserve.layers.cpu_kernels import native_available
 from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
 from kvserve.sample.sampler import Sampler, SamplingMetadata
+from kvserve.sampling_params import SamplingParams
 from kvserve.worker.input_batch import prepare_inputs
-from kvserve.worker.kv_cache import allocate_kv_cache
+from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +49,29 @@ class ModelRunner:
     Args:
         model: a loaded model on ``device``.
         num_blocks, block_size: KV cache geometry (must match the BlockManager's).
+        num_host_blocks: blocks of the host swap pool (``kv_cache.num_host_blocks_for(swap_space)``);
+            0: no pool, swap preemption impossible.
+
+    Swap layout: the device cache and the host pool have the same per-layer block shape, so a swap is a
+    row copy per layer::
+
+        kv_caches[l][0|1]      [num_blocks,      block_size, num_kv_heads, head_dim]   (device)
+                 │ swap out ▲ swap in         (device_block <-> host_block)
+        host_kv_caches[l][0|1] [num_host_blocks, block_size, num_kv_heads, head_dim]   (CPU, pinned on CUDA)
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 num_host_blocks: int = 0) -> None:
         self.model = model
         self.arch = model.config
         self.device = device
         self.dtype = model.embed_tokens.weight.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.block_bytes = block_bytes(self.arch, block_size, self.dtype)  # one block, all layers, K and V
         self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, device)
+        self.host_kv_caches = allocate_host_swap_pool(self.arch, num_host_blocks, block_size, self.dtype, device)
         # The compiled kernel reads float32 caches in place on CPU; other cases use the torch path.
         self.native_decode = device.type == "cpu" and self.dtype == torch.float32 and native_available()
         self.sampler = Sampler()
@@ -59,17 +80,26 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Raises whatever the model raises (the engine fails the step's requests)."""
+        """Run one step: swap out, swap in, copy-on-write, then the forward over ``so.scheduled`` (if any).
+
+        The output's ``swap_bytes`` / ``swap_seconds`` account this step's swaps (also when nothing is
+        scheduled). Raises IndexError for a swap block id outside the device cache or host pool, and whatever
+        the model raises (the engine fails the step's requests).
+        """
         for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
+        # NOTE: swaps and copies happen even on a step with nothing scheduled, in the contract's order:
+        # swap out (frees device blocks this step may reuse), swap in, copy-on-write, then the forward.
+        swap_bytes, swap_seconds = self.swap_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in)
         if so.blocks_to_copy:
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=self.device)
             for k_cache, v_cache in self.kv_caches:
                 k_cache[dst] = k_cache[src]
                 v_cache[dst] = v_cache[src]
-        if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if not so.scheduled:  # (not ``is_empty``: that may come to count swaps and copies as work)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], swap_bytes=swap_bytes,
+                                     swap_seconds=swap_seconds)
         decodes = sorted((s for s in so.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.num_computed_tokens)
         prefills = [s for s in so.scheduled if s.num_scheduled_tokens > 1]
         order = decodes + [s for s in prefills if s.num_computed_tokens > 0] + [
@@ -79,7 +109,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampling = [s for s in order if s.sample]
         if not sampling:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], swap_bytes=swap_bytes,
+                                     swap_seconds=swap_seconds)
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         requests = [s.request for s in sampling]
         _mask_stop_tokens_before_min_tokens(logits, requests)
@@ -107,7 +138,153 @@ class ModelRunner:
                 top = list(zip(ids_l[row][1:k + 1], lps_l[row][1:k + 1], strict=True))
                 logprobs.append(TokenLogprobs(ids_l[row][0], lps_l[row][0], ranks[row], top))
         return ModelRunnerOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=sampled,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, swap_bytes=swap_bytes, swap_seconds=swap_seconds)
+
+    # ---- swapping ------------------------------------------------------------------------------
+    def swap_blocks(self, blocks_to_swap_out: list[tuple[BlockId, int]], blocks_to_swap_in: list[tuple[int, BlockId]],
+                    host_pool: KVCache | None = None) -> tuple[int, float]:
+        """Copy ``(device_block, host_block)`` pairs device -> host, then ``(host_block, device_block)`` host -> device.
+
+        Args:
+            host_pool: the host tensors to use (default: this runner's swap pool; the bandwidth probe
+                passes a temporary one when there is no pool).
+        Returns:
+            ``(bytes, seconds)``: bytes copied in both directions (``block_bytes`` per block and direction)
+            and the wall time of the copies (synchronized on CUDA); ``(0, 0.0)`` when there is nothing to do.
+        Raises:
+            IndexError: a block id outside the device cache or the host pool (e.g. no pool configured).
+        """
+        if not blocks_to_swap_out and not blocks_to_swap_in:
+            return 0, 0.0
+        pool = self.host_kv_caches if host_pool is None else host_pool
+        num_host = pool[0][0].shape[0] if pool else 0
+        for _, h in blocks_to_swap_out:
+            _check_block(h, num_host, "host")
+        for h, _ in blocks_to_swap_in:
+            _check_block(h, num_host, "host")
+        for d in [d for d, _ in blocks_to_swap_out] + [d for _, d in blocks_to_swap_in]:
+            _check_block(d, self.num_blocks, "device")
+        # NOTE: swap-out runs first, so a host block must not be both swapped in from and swapped out to in
+        # one step (the swap-in would read the newly swapped-out data); the scheduler never reuses a host
+        # block freed by a swap-in within the same step.
+        assert not {h for _, h in blocks_to_swap_out} & {h for h, _ in blocks_to_swap_in}, \
+            "a host block is both swap-out target and swap-in source in one step"
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)  # time only the copies, not queued forward work
+        t0 = time.perf_counter()
+        if blocks_to_swap_out:
+            self._swap_out(blocks_to_swap_out, pool)
+        if blocks_to_swap_in:
+            self._swap_in(blocks_to_swap_in, pool)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        return (len(blocks_to_swap_out) + len(blocks_to_swap_in)) * self.block_bytes, seconds
+
+    def _swap_out(self, pairs: list[tuple[BlockId, int]], pool: KVCache) -> None:
+        """Device blocks -> host pool, all layers. On CUDA: one gather on the device into a staging tensor
+        ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, one DMA into pinned memory, then a scatter
+        into the pool on the CPU."""
+        dev_idx = torch.tensor([d for d, _ in pairs], dtype=torch.int64, device=self.device)
+        host_idx = torch.tensor([h for _, h in pairs], dtype=torch.int64)
+        if self.device.type == "cpu":
+            for (k, v), (hk, hv) in zip(self.kv_caches, pool, strict=True):
+                hk.index_copy_(0, host_idx, k.index_select(0, dev_idx))
+                hv.index_copy_(0, host_idx, v.index_select(0, dev_idx))
+            return
+        staged = torch.empty((len(self.kv_caches), 2, len(pairs), *self.kv_caches[0][0].shape[1:]),
+                             dtype=self.dtype, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            torch.index_select(k, 0, dev_idx, out=staged[layer, 0])
+            torch.index_select(v, 0, dev_idx, out=staged[layer, 1])
+        host = torch.empty(staged.shape, dtype=self.dtype, pin_memory=True)
+        host.copy_(staged, non_blocking=True)
+        torch.cuda.synchronize(self.device)  # NOTE: the DMA must land before the CPU scatters ``host``
+        for layer, (hk, hv) in enumerate(pool):
+            hk.index_copy_(0, host_idx, host[layer, 0])
+            hv.index_copy_(0, host_idx, host[layer, 1])
+
+    def _swap_in(self, pairs: list[tuple[int, BlockId]], pool: KVCache) -> None:
+        """Host pool -> device blocks, all layers. On CUDA: one gather on the CPU into pinned staging, one
+        asynchronous DMA, then a scatter on the device (stream-ordered before the forward)."""
+        host_idx = torch.tensor([h for h, _ in pairs], dtype=torch.int64)
+        dev_idx = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        if self.device.type == "cpu":
+            for (k, v), (hk, hv) in zip(self.kv_caches, pool, strict=True):
+                k.index_copy_(0, dev_idx, hk.index_select(0, host_idx))
+                v.index_copy_(0, dev_idx, hv.index_select(0, host_idx))
+            return
+        host = torch.empty((len(pool), 2, len(pairs), *pool[0][0].shape[1:]), dtype=self.dtype, pin_memory=True)
+        for layer, (hk, hv) in enumerate(pool):
+            torch.index_select(hk, 0, host_idx, out=host[layer, 0])
+            torch.index_select(hv, 0, host_idx, out=host[layer, 1])
+        staged = host.to(self.device, non_blocking=True)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, dev_idx, staged[layer, 0])
+            v.index_copy_(0, dev_idx, staged[layer, 1])
+
+    # ---- start-up measurements (feed the scheduler's cost model) -------------------------------
+    @torch.inference_mode()
+    def measure_copy_bandwidth(self, num_blocks: int = 16, repeats: int = 5) -> float:
+        """Bytes per second of a device -> host -> device round trip of ``num_blocks`` blocks (median of
+        ``repeats``, after one warm-up).
+
+        Call before serving: it uses device blocks ``0 .. n-1`` and host blocks ``0 .. n-1`` (or a temporary
+        host pool of ``n`` blocks when the runner has a smaller one). Each round trip writes the blocks
+        back where they came from, so the device cache is left unchanged.
+
+        Returns:
+            a positive finite bytes/s (``ModelRunnerOutput.swap_bytes / swap_seconds`` measures the same).
+        """
+        n = max(1, min(num_blocks, self.num_blocks))
+        pool = self.host_kv_caches if self.num_host_blocks >= n else allocate_host_swap_pool(
+            self.arch, n, self.block_size, self.dtype, self.device)
+        out = [(BlockId(i), i) for i in range(n)]
+        back = [(i, BlockId(i)) for i in range(n)]
+        rates: list[float] = []
+        for i in range(repeats + 1):
+            b1, s1 = self.swap_blocks(out, [], pool)
+            b2, s2 = self.swap_blocks([], back, pool)
+            if i:  # the first round trip is the warm-up
+                rates.append((b1 + b2) / max(s1 + s2, 1e-9))
+        return float(statistics.median(rates))
+
+    @torch.inference_mode()
+    def measure_prefill_speed(self, num_tokens: int = 256, repeats: int = 1) -> float:
+        """Tokens per second of one prefill forward of a dummy prompt of ``num_tokens`` tokens (capped at the
+        cache and position limits), including logits at its last token; median of ``repeats`` after one
+        warm-up.
+
+        Call before serving: it writes K/V into the first ``ceil(n / block_size)`` device blocks and zeroes
+        them afterwards (the start-up state), and touches no sampler or generator state.
+
+        Returns:
+            a positive finite tokens/s.
+        """
+        n = max(1, min(num_tokens, self.num_blocks * self.block_size, self.model.rotary.cos.shape[0]))
+        ids = ((np.arange(n, dtype=np.int64) * 7919 + 17) % self.arch.vocab_size).tolist()
+        request = Request("__measure_prefill__", ids, SamplingParams(max_tokens=1), None, 1)
+        num_blocks = math.ceil(n / self.block_size)
+        scheduled = ScheduledRequest(request, 0, n, [BlockId(b) for b in range(num_blocks)], sample=True)
+        cuda = self.device.type == "cuda"
+        times: list[float] = []
+        for i in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            input_ids, positions, meta, logits_indices = prepare_inputs(
+                [scheduled], 0, self.block_size, self.device, self.native_decode)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            if i:  # the first pass is the warm-up
+                times.append(time.perf_counter() - t0)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[:num_blocks].zero_()
+            v_cache[:num_blocks].zero_()
+        return n / max(statistics.median(times), 1e-9)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -136,3 +313,9 @@ def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Req
         cols += banned
     if rows:
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def _check_block(block: int, num: int, where: str) -> None:
+    """Raise IndexError for a block id outside ``[0, num)`` (``where``: "device" or "host")."""
+    if not 0 <= block < num:
+        raise IndexError(f"{where} block {block} is outside the {where} pool of {num} blocks")

@@ -1,0 +1,285 @@
+"""The serving cost model as pure functions (../shared/docs/cost-model.md; the formulas in docs/planner.md).
+
+Torch-free and numpy-free on purpose: the scheduler imports the preemption functions, and the planner
+(``kvserve plan``) builds every table from these. Units: bytes, seconds, tokens; ``dtype_bytes`` is the
+size of one KV cache element (fp32 4, bf16/fp16 2, fp8/int8 1).
+
+Every function raises ``ValueError`` on a negative size or a non-positive speed/bandwidth, naming the
+argument, so that a planner typo never prints a silently absurd number.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+PreemptMode = Literal["recompute", "swap"]
+
+# Bytes per KV cache element, by the names ``--kv-cache-dtype`` accepts (``auto`` is resolved by the caller).
+KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+# ---- KV cache size (cost-model.md, "KV cache size") ------------------------------------------------------
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """KV cache bytes one token occupies: ``2 (K and V) × num_layers × num_kv_heads × head_dim × dtype_bytes``.
+
+    Source: cost-model.md, "KV cache size". SmolLM2-135M in fp32: 2 × 30 × 3 × 64 × 4 = 46,080 bytes.
+
+    Raises:
+        ValueError: any argument is not positive.
+    """
+    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("dtype_bytes", dtype_bytes)):
+        _positive(name, v)
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+
+
+def kv_bytes(kv_bytes_per_token: int, seq_len: int) -> int:
+    """KV cache bytes of one request of ``seq_len`` tokens: ``kv_bytes_per_token × seq_len``.
+
+    Source: cost-model.md, "KV cache size". Multiply by the batch size for a batch.
+
+    Raises:
+        ValueError: a negative argument.
+    """
+    _non_negative("kv_bytes_per_token", kv_bytes_per_token)
+    _non_negative("seq_len", seq_len)
+    return kv_bytes_per_token * seq_len
+
+
+def max_concurrency(kv_memory_bytes: float, kv_bytes_per_token: int, seq_len: int) -> int:
+    """How many requests of ``seq_len`` tokens fit in ``kv_memory_bytes``: ``floor(kv_memory / kv_bytes(seq_len))``.
+
+    Source: cost-model.md, "KV cache size" (``kv_memory`` is what is left after weights and reserve).
+    Ignores paging waste (at most ``block_size − 1`` tokens per request, cost-model.md "Block size").
+
+    Raises:
+        ValueError: ``kv_bytes_per_token`` or ``seq_len`` not positive, or negative memory.
+    """
+    _non_negative("kv_memory_bytes", kv_memory_bytes)
+    _positive("kv_bytes_per_token", kv_bytes_per_token)
+    _positive("seq_len", seq_len)
+    return math.floor(kv_memory_bytes / (kv_bytes_per_token * seq_len))
+
+
+def kv_memory_bytes(device_memory_bytes: float, weight_bytes: float, utilization: float = 1.0,
+                    reserve_bytes: float = 0.0) -> float:
+    """Memory left for the KV cache: ``device_memory × utilization − weights − reserve`` (never below 0).
+
+    Source: cost-model.md, "KV cache size" (reserve = activations and fragmentation).
+
+    Raises:
+        ValueError: ``utilization`` outside (0, 1] or a negative size.
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization}")
+    for name, v in (("device_memory_bytes", device_memory_bytes), ("weight_bytes", weight_bytes),
+                    ("reserve_bytes", reserve_bytes)):
+        _non_negative(name, v)
+    return max(device_memory_bytes * utilization - weight_bytes - reserve_bytes, 0.0)
+
+
+# ---- Decode roofline (cost-model.md, "Decode roofline") -------------------------------------------------
+def decode_step_lower_bound_s(weight_bytes: float, kv_bytes_total: float, bandwidth_bytes_per_s: float) -> float:
+    """Lower bound of one decode step in seconds: ``(W + Σ K_i) / bandwidth``.
+
+    Every step reads all weights once (shared by the batch) and each running request's whole KV cache.
+    Source: cost-model.md, "Decode roofline". Ignores compute, so real steps are at least this long.
+
+    Raises:
+        ValueError: negative bytes or non-positive bandwidth.
+    """
+    _non_negative("weight_bytes", weight_bytes)
+    _non_negative("kv_bytes_total", kv_bytes_total)
+    _positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    return (weight_bytes + kv_bytes_total) / bandwidth_bytes_per_s
+
+
+def decode_throughput_upper_bound(weight_bytes: float, kv_bytes_per_token: int, context_len: int, batch_size: int,
+                                  bandwidth_bytes_per_s: float) -> tuple[float, float]:
+    """Upper bounds ``(per-request tok/s, total tok/s)`` for ``batch_size`` requests at ``context_len`` tokens.
+
+    ``t = decode_step_lower_bound_s(W, batch × kv_bytes(context_len), bw)``; per request ``1 / t``, total
+    ``batch / t``. Source: cost-model.md, "Decode roofline".
+
+    Raises:
+        ValueError: ``batch_size`` not positive, or as ``decode_step_lower_bound_s``.
+    """
+    _positive("batch_size", batch_size)
+    t = decode_step_lower_bound_s(weight_bytes, batch_size * kv_bytes(kv_bytes_per_token, context_len),
+                                  bandwidth_bytes_per_s)
+    return 1.0 / t, batch_size / t
+
+
+# ---- Preemption (cost-model.md, "Preemption: recompute or swap") ----------------------------------------
+def recompute_time_s(num_tokens: int, prefill_tokens_per_s: float) -> float:
+    """Seconds to rebuild a preempted request's KV by prefill: ``num_tokens / prefill_tokens_per_s``.
+
+    Source: cost-model.md, "Preemption: recompute or swap".
+
+    Raises:
+        ValueError: negative tokens or non-positive speed.
+    """
+    _non_negative("num_tokens", num_tokens)
+    _positive("prefill_tokens_per_s", prefill_tokens_per_s)
+    return num_tokens / prefill_tokens_per_s
+
+
+def swap_time_s(num_tokens: int, kv_bytes_per_token: int, copy_bytes_per_s: float) -> float:
+    """Seconds to swap a request's KV out and back in: ``2 × num_tokens × kv_bytes_per_token / copy_bandwidth``.
+
+    Source: cost-model.md, "Preemption: recompute or swap".
+
+    Raises:
+        ValueError: negative sizes or non-positive bandwidth.
+    """
+    _non_negative("num_tokens", num_tokens)
+    _non_negative("kv_bytes_per_token", kv_bytes_per_token)
+    _positive("copy_bytes_per_s", copy_bytes_per_s)
+    return 2 * num_tokens * kv_bytes_per_token / copy_bytes_per_s
+
+
+def preempt_choice(num_tokens: int, kv_bytes_per_token: int, prefill_tokens_per_s: float,
+                   copy_bytes_per_s: float) -> PreemptMode:
+    """``"recompute"`` or ``"swap"``, whichever of the two times above is smaller; a tie is ``"recompute"``.
+
+    Both times are linear in ``num_tokens``, so the answer depends only on the speeds (swap wins when
+    ``copy_bandwidth > 2 × kv_bytes_per_token × prefill_tokens_per_s``) except at 0 tokens (a tie).
+    Source: cost-model.md, "Preemption: recompute or swap".
+
+    Raises:
+        ValueError: as ``recompute_time_s`` / ``swap_time_s``.
+    """
+    t_rec = recompute_time_s(num_tokens, prefill_tokens_per_s)
+    t_swap = swap_time_s(num_tokens, kv_bytes_per_token, copy_bytes_per_s)
+    return "swap" if t_swap < t_rec else "recompute"
+
+
+# ---- Tiered KV (cost-model.md, "Tiered KV: fetch or recompute") -----------------------------------------
+def fetch_time_s(num_tokens: int, kv_bytes_per_token: int, link_bytes_per_s: float) -> float:
+    """Seconds to fetch ``num_tokens`` of KV over a link: ``kv_bytes_per_token × num_tokens / link_bandwidth``.
+
+    Source: cost-model.md, "Tiered KV: fetch or recompute".
+
+    Raises:
+        ValueError: negative sizes or non-positive bandwidth.
+    """
+    _non_negative("num_tokens", num_tokens)
+    _non_negative("kv_bytes_per_token", kv_bytes_per_token)
+    _positive("link_bytes_per_s", link_bytes_per_s)
+    return num_tokens * kv_bytes_per_token / link_bytes_per_s
+
+
+def fetch_break_even_prefill_tokens_per_s(link_bytes_per_s: float, kv_bytes_per_token: int) -> float:
+    """The prefill speed (tokens/s) at which fetching KV and recomputing it take equally long.
+
+    ``prefill_tokens_per_s* = link_bandwidth / kv_bytes_per_token``, independent of the length. A faster
+    prefill than this: recompute; slower: fetch. Source: cost-model.md, "Tiered KV: fetch or recompute".
+
+    Raises:
+        ValueError: non-positive arguments.
+    """
+    _positive("link_bytes_per_s", link_bytes_per_s)
+    _positive("kv_bytes_per_token", kv_bytes_per_token)
+    return link_bytes_per_s / kv_bytes_per_token
+
+
+# ---- Prefill/decode disaggregation (cost-model.md, "Prefill/decode disaggregation") ----------------------
+def pd_transfer_time_s(prompt_len: int, kv_bytes_per_token: int, link_bytes_per_s: float) -> float:
+    """Seconds to move one request's prompt KV from the prefill to the decode pool: ``kv_bytes(prompt) / link``.
+
+    Source: cost-model.md, "Prefill/decode disaggregation".
+
+    Raises:
+        ValueError: negative sizes or non-positive bandwidth.
+    """
+    return fetch_time_s(prompt_len, kv_bytes_per_token, link_bytes_per_s)
+
+
+def pd_prefill_share(prompt_len: int, output_len: int, prefill_tokens_per_s: float,
+                     decode_tokens_per_s: float) -> float:
+    """Fraction of devices the prefill pool needs so that both pools keep pace (the P:D split), in [0, 1].
+
+    Device-seconds per request: prefill ``P / prefill_speed``, decode ``O / decode_speed`` (``decode_speed``
+    = total tok/s of one decode device at its batch). Share = prefill / (prefill + decode). Derived from
+    cost-model.md, "Prefill/decode disaggregation" ("prompt/output length ratio decides the P:D split").
+
+    Raises:
+        ValueError: negative lengths, both zero, or non-positive speeds.
+    """
+    _non_negative("prompt_len", prompt_len)
+    _non_negative("output_len", output_len)
+    _positive("prefill_tokens_per_s", prefill_tokens_per_s)
+    _positive("decode_tokens_per_s", decode_tokens_per_s)
+    p = prompt_len / prefill_tokens_per_s
+    d = output_len / decode_tokens_per_s
+    if p + d == 0:
+        raise ValueError("prompt_len and output_len are both 0")
+    return p / (p + d)
+
+
+# ---- Speculative decoding (cost-model.md, "Speculative decoding"; Leviathan et al. 2023, Chen et al. 2023) -
+def spec_decode_expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens per speculative round: ``(1 − α^(k+1)) / (1 − α)``; ``k + 1`` when ``α = 1``.
+
+    ``α`` = per-token acceptance probability (i.i.d. approximation), ``k`` = draft length. Source:
+    Leviathan et al. 2023 (eq. 1); cost-model.md, "Speculative decoding".
+
+    Raises:
+        ValueError: ``α`` outside [0, 1] or negative ``k``.
+    """
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    _non_negative("k", k)
+    if alpha == 1:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def spec_decode_speedup(alpha: float, k: int, draft_cost_ratio: float) -> float:
+    """Speedup of speculative decoding over plain decoding: ``E(α, k) / (k × c_draft + 1)``.
+
+    ``c_draft`` = cost of one draft step in target-step units; the verify step costs 1 (one target forward
+    over ``k + 1`` tokens at low batch, memory-bound). Source: Leviathan et al. 2023 (walltime improvement);
+    cost-model.md, "Speculative decoding".
+
+    Raises:
+        ValueError: as ``spec_decode_expected_tokens``, or a negative ``draft_cost_ratio``.
+    """
+    _non_negative("draft_cost_ratio", draft_cost_ratio)
+    return spec_decode_expected_tokens(alpha, k) / (k * draft_cost_ratio + 1)
+
+
+def spec_decode_best_k(alpha: float, draft_cost_ratio: float, max_k: int = 8) -> tuple[int, float]:
+    """The draft length in ``1..max_k`` with the largest speedup, and that speedup (the smallest k on ties).
+
+    Raises:
+        ValueError: ``max_k`` < 1, or as ``spec_decode_speedup``.
+    """
+    _positive("max_k", max_k)
+    best = max(range(1, max_k + 1), key=lambda k: (spec_decode_speedup(alpha, k, draft_cost_ratio), -k))
+    return best, spec_decode_speedup(alpha, best, draft_cost_ratio)
+
+
+# ---- Quantization (cost-model.md, "Quantization") ---------------------------------------------------------
+def concurrency_gain(dtype_bytes_from: int, dtype_bytes_to: int) -> float:
+    """Factor by which concurrency grows at the same KV memory when elements shrink: ``from / to`` (fp32→int8: 4).
+
+    Source: cost-model.md, "Quantization" (an 8-bit KV cache halves the bytes of a 16-bit one).
+
+    Raises:
+        ValueError: non-positive arguments.
+    """
+    _positive("dtype_bytes_from", dtype_bytes_from)
+    _positive("dtype_bytes_to", dtype_bytes_to)
+    return dtype_bytes_from / dtype_bytes_to
