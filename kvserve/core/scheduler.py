@@ -325,10 +325,12 @@ class Scheduler:
             return remaining if remaining <= step.budget else 0
         num_new = min(remaining, step.budget)
         cap = self.config.long_prefill_cap
+        min_chunk = self.config.min_prefill_chunk
         if cap and remaining > cap:
             num_new = min(num_new, cap)
+            min_chunk = min(min_chunk, cap)
         if num_new < remaining:  # stays mid-prefill after this step
-            if num_new < self.config.min_prefill_chunk:
+            if num_new < min_chunk:
                 return 0
             if not admitted and self._num_partial(step) >= self.config.max_num_partial_prefills:
                 return 0
@@ -372,23 +374,30 @@ class Scheduler:
             self._schedule(request, num_new, step)
 
     def _admit_waiting(self, step: _Step) -> None:
+        """Admit in policy order. A prompt held back only by the partial-prefill limit is passed over, so
+        that shorter prompts behind it (which finish their prefill this step) are not starved."""
         bm = self.block_manager
-        while self.waiting and step.budget > 0:
-            request = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and step.budget > 0:
+            request = self.waiting[i]
             if len(self.running) >= self.config.max_num_seqs:
                 if self._preempt_for(request, step):
                     continue
                 break
             hits = bm.get_computed_blocks(request)
             num_computed = len(hits) * bm.block_size
-            num_new = self._num_new_tokens(request, step, admitted=False, num_computed=num_computed)
+            num_new = self._num_new_tokens(request, step, admitted=True, num_computed=num_computed)
             if num_new == 0:
                 break
+            if (num_new < request.num_tokens - num_computed
+                    and self._num_partial(step) >= self.config.max_num_partial_prefills):
+                i += 1  # it would be one partial prefill too many: let the next one try
+                continue
             if not bm.allocate_slots(request.request_id, num_computed, num_new, hits):
                 if self._preempt_for(request, step):
                     continue
                 break
-            self.waiting.pop(0)
+            del self.waiting[i]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
             if request.first_scheduled_time is None:
@@ -418,7 +427,9 @@ class Scheduler:
         """The running request to preempt first: the newest (fcfs) or the lowest-priority newest one."""
         candidates = [r for r in self.running if not exclude or r.request_id not in exclude]
         if self.config.scheduling_policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+            # Ties go to the most recently admitted (later in ``running``), so that the older of two
+            # requests that do not fit together always makes progress (no preemption ping-pong).
+            return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]
 
     def _preempt_for(self, request: Request, step: _Step) -> bool:
