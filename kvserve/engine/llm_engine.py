@@ -155,7 +155,7 @@ class LLMEngine:
             # The cost model's two speeds, measured here and then updated by every step (EMA).
             self.perf.copy_bytes_per_s = self.runner.measure_copy_bandwidth()
             self.perf.prefill_tokens_per_s = self.runner.measure_prefill_speed(
-                min(256, config.max_num_batched_tokens, self.max_model_len))
+                min(64, config.max_num_batched_tokens, self.max_model_len))
         self.groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._pending: list[RequestOutput] = []

@@ -1,7 +1,10 @@
-"""The ``kvserve`` command: ``kvserve generate`` (offline completion) and ``kvserve serve`` (OpenAI server).
+"""The ``kvserve`` command: ``generate`` (offline completion), ``serve`` (OpenAI server), ``bench`` (benchmarks,
+docs/benchmarking.md) and ``plan`` (capacity planner, docs/planner.md).
 
     kvserve generate --model smollm2-135m-instruct --prompt "The capital of France is" --max-tokens 32
     kvserve serve --model smollm2-135m-instruct --port 8000
+    kvserve bench serve --model smollm2-135m-instruct --dataset sharegpt --sweep 1,4,16 --slo-ttft-p95 2
+    kvserve plan --model smollm2-135m-instruct --memory-gib 2
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+    from kvserve.bench.cli import add_bench_parser
+    from kvserve.planner.cli import add_plan_parser
+
+    add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,82 @@
+"""The ``kvserve plan`` command: ``kvserve plan --model smollm2-135m-instruct [--memory-gib 16] [--json]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvserve.cost_model import KV_DTYPE_BYTES
+from kvserve.planner.plan import GB, GiB, PlanOptions
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def add_plan_parser(sub: Any) -> None:
+    """Add ``plan`` to the ``kvserve`` subparsers."""
+    d = PlanOptions()
+    p = sub.add_parser("plan", help="capacity planner: KV size, concurrency, roofline, preemption, PD, spec decode")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name, .gguf path or HF folder")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights as served (auto: float32, kvserve's CPU default)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPE_BYTES])
+    p.add_argument("--memory-gib", type=float, default=d.memory_bytes / GiB, help="device memory (GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.utilization)
+    p.add_argument("--reserve-gib", type=float, default=0.0, help="activations/fragmentation reserve (GiB)")
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="KV budget in GiB (overrides the above)")
+    p.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth GB/s (default: measured)")
+    p.add_argument("--copy-bandwidth-gbs", type=float, default=None, help="swap copy GB/s (default: measured)")
+    p.add_argument("--seq-lens", type=_ints, default=d.seq_lens, help="comma-separated tokens")
+    p.add_argument("--context-len", type=int, default=d.context_len, help="tokens/request for roofline and fetch")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                   help="prefill speed (default: --compute-tflops / (2 × params))")
+    p.add_argument("--compute-tflops", type=float, default=d.compute_flops / 1e12,
+                   help="effective prefill FLOP/s in TFLOP/s (default 0.08: measured kvserve CPU prefill here)")
+    p.add_argument("--draft-cost-ratio", type=float, default=d.draft_cost_ratio)
+    p.add_argument("--num-devices", type=int, default=d.num_devices)
+    p.add_argument("--interconnect-gbs", type=float, default=d.interconnect_bytes_per_s / GB)
+    p.add_argument("--tpot-slo-ms", type=float, default=None)
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--output-len", type=int, default=d.output_len)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+
+def options_from_args(args: argparse.Namespace) -> PlanOptions:
+    """The :class:`PlanOptions` of parsed ``kvserve plan`` flags (GiB, GB/s, ms -> bytes, bytes/s, s)."""
+    return PlanOptions(
+        dtype="float32" if args.dtype == "auto" else args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        memory_bytes=args.memory_gib * GiB, utilization=args.gpu_memory_utilization,
+        reserve_bytes=args.reserve_gib * GiB,
+        kv_cache_memory_bytes=None if args.kv_cache_memory is None else args.kv_cache_memory * GiB,
+        bandwidth_bytes_per_s=None if args.bandwidth_gbs is None else args.bandwidth_gbs * GB,
+        copy_bytes_per_s=None if args.copy_bandwidth_gbs is None else args.copy_bandwidth_gbs * GB,
+        seq_lens=args.seq_lens, context_len=args.context_len, prefill_tokens_per_s=args.prefill_tokens_per_s,
+        compute_flops=args.compute_tflops * 1e12, draft_cost_ratio=args.draft_cost_ratio,
+        num_devices=args.num_devices, interconnect_bytes_per_s=args.interconnect_gbs * GB,
+        tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
+        prompt_len=args.prompt_len, output_len=args.output_len)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvserve.planner.model_info import load_model_info
+    from kvserve.planner.plan import build_plan
+
+    opts = options_from_args(args)
+    measured: dict[str, float] = {}
+    if opts.bandwidth_bytes_per_s is None or opts.copy_bytes_per_s is None:
+        from kvserve.planner.bandwidth import measure_bandwidth
+
+        measured = measure_bandwidth()._asdict()
+    plan = build_plan(load_model_info(args.model), opts, measured)
+    if args.json:
+        json.dump(plan, sys.stdout, indent=1)
+        print()
+    else:
+        from kvserve.planner.render import render_plan
+
+        render_plan(plan)
+    return 0

@@ -1,0 +1,78 @@
+"""A model's architecture and weight sizes without loading its weights.
+
+GGUF (catalog names, ``.gguf`` paths): ``gguf.GGUFReader`` memory-maps the file and parses the header;
+no tensor is read or dequantized. HF folders: ``config.json`` and the JSON header of each
+``*.safetensors`` file (8-byte little-endian length, then the header). The parameter count is the sum of
+tensor elements (a tied embedding counts once); the bytes a decode step reads are that count times the
+serving dtype's element size (kvserve dequantizes GGUF tensors to its dtype; cost-model.md "Decode roofline").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.models.registry import ModelArchConfig
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Attributes: ``num_params`` (elements of all tensors), ``file_bytes`` (tensor bytes as stored on disk)."""
+
+    name: str
+    path: str
+    arch: ModelArchConfig
+    num_params: int
+    file_bytes: int
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of the weights as served in a dtype of ``dtype_bytes`` per element."""
+        return self.num_params * dtype_bytes
+
+
+def _gguf_info(name: str, path: Path) -> ModelInfo:
+    import gguf
+
+    from kvserve.models.loader import gguf_arch_config
+
+    reader = gguf.GGUFReader(str(path))
+    arch = gguf_arch_config(reader)
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    stored = sum(int(t.n_bytes) for t in reader.tensors)
+    return ModelInfo(name, str(path), arch, params, stored)
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+
+
+def _hf_info(name: str, path: Path) -> ModelInfo:
+    arch = ModelArchConfig.from_hf_config(path / "config.json")
+    params = stored = 0
+    for f in sorted(path.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for key, t in header.items():
+            if key == "__metadata__":
+                continue
+            count = math.prod(t["shape"])
+            params += count
+            stored += count * _SAFETENSORS_BYTES.get(t["dtype"], 4)
+    return ModelInfo(name, str(path), arch, params, stored)
+
+
+def load_model_info(model: str) -> ModelInfo:
+    """A catalog name, ``.gguf`` path or HF folder -> its :class:`ModelInfo`.
+
+    Raises:
+        ModelNotFoundError: unknown or uninstalled model (the message names the install command).
+        InvalidRequestError: an unsupported architecture.
+    """
+    from kvserve.models.catalog import resolve_model_path
+
+    path = resolve_model_path(model)
+    return _gguf_info(model, path) if path.suffix == ".gguf" else _hf_info(model, path)

@@ -1,0 +1,183 @@
+"""Every section of ``kvserve plan`` as plain data (JSON-ready), from :mod:`kvserve.cost_model`.
+
+Units: bytes, seconds, tokens; GB = 1e9 bytes (link and memory speeds), GiB = 2^30 bytes (memory sizes).
+Each section names its cost-model.md section; docs/planner.md has the formulas and the defaults' sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvserve import cost_model as cm
+from kvserve.planner.model_info import ModelInfo
+
+GiB = 1 << 30
+GB = 1e9
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9)
+MAX_K = 8
+# name -> bytes/s (cost-model.md "Tiered KV"; nominal unidirectional speeds).
+LINKS: dict[str, float] = {"NVLink 4 (H100)": 450 * GB, "PCIe 4 x16": 25 * GB, "100 GbE / 100G RDMA": 12.5 * GB,
+                           "NVMe SSD": 3 * GB, "10 GbE": 1.25 * GB}
+RDMA_CLASS_BYTES_PER_S = 25 * GB  # 200 Gb/s InfiniBand; slower links fail the PD interconnect check
+PD_MIN_DEVICES = 8
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Inputs of a plan. Speeds: bytes/s or tokens/s; sizes: bytes; ``None`` bandwidths are measured.
+
+    Attributes:
+        dtype: weights as served (``float32`` is what kvserve serves on CPU for ``auto``).
+        kv_cache_dtype: ``auto`` = ``dtype``.
+        memory_bytes: device memory; the KV budget is ``memory × utilization − weights − reserve``.
+        kv_cache_memory_bytes: use this KV budget instead (kvserve's ``--kv-cache-memory`` on CPU).
+        context_len: tokens per request for the roofline and the preemption/fetch examples.
+        prefill_tokens_per_s: None: ``compute_flops / (2 × params)`` (compute-bound prefill estimate).
+        tpot_slo_s: a TPOT objective (seconds): the roofline names the largest batch meeting it, and the PD
+            check counts it as a strict TPOT SLO.
+    """
+
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    memory_bytes: float = 16 * GiB
+    utilization: float = 0.9
+    reserve_bytes: float = 0.0
+    kv_cache_memory_bytes: float | None = None
+    bandwidth_bytes_per_s: float | None = None
+    copy_bytes_per_s: float | None = None
+    seq_lens: tuple[int, ...] = (512, 2048, 8192)
+    context_len: int = 2048
+    prefill_tokens_per_s: float | None = None
+    compute_flops: float = 80e9
+    draft_cost_ratio: float = 0.05
+    num_devices: int = 1
+    interconnect_bytes_per_s: float = 25 * GB
+    tpot_slo_s: float | None = None
+    prompt_len: int = 2048
+    output_len: int = 256
+    links: dict[str, float] = field(default_factory=lambda: dict(LINKS))
+
+
+def dtype_bytes(name: str) -> int:
+    """Element size of a ``--dtype`` / ``--kv-cache-dtype`` name.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name not in cm.KV_DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(cm.KV_DTYPE_BYTES)})")
+    return cm.KV_DTYPE_BYTES[name]
+
+
+def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | None = None) -> dict[str, Any]:
+    """The whole plan. ``measured``: bandwidths measured on this machine (bytes/s: ``memory``, ``copy``), used
+    where ``opts`` gives none.
+
+    Raises:
+        ValueError: no bandwidth given or measured, an unknown dtype, or an invalid size.
+    """
+    measured = measured or {}
+    a = info.arch
+    w_bytes = dtype_bytes(opts.dtype)
+    kv_dtype = opts.dtype if opts.kv_cache_dtype == "auto" else opts.kv_cache_dtype
+    b = dtype_bytes(kv_dtype)
+    bpt = cm.kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, b)
+    bpt8 = cm.kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, 1)
+    weights = info.weight_bytes(w_bytes)
+    kv_mem = (opts.kv_cache_memory_bytes if opts.kv_cache_memory_bytes is not None else
+              cm.kv_memory_bytes(opts.memory_bytes, weights, opts.utilization, opts.reserve_bytes))
+    bw = opts.bandwidth_bytes_per_s or measured.get("memory")
+    copy_bw = opts.copy_bytes_per_s or measured.get("copy")
+    if not bw or not copy_bw:
+        raise ValueError("no memory/copy bandwidth given or measured")
+    prefill = opts.prefill_tokens_per_s or opts.compute_flops / (2 * info.num_params)
+    ctx = opts.context_len
+
+    model = {"name": info.name, "path": info.path, "architecture": a.architecture, "num_layers": a.num_hidden_layers,
+             "num_heads": a.num_attention_heads, "num_kv_heads": a.num_key_value_heads, "head_dim": a.head_dim,
+             "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "max_position_embeddings":
+             a.max_position_embeddings, "num_params": info.num_params, "file_bytes": info.file_bytes,
+             "dtype": opts.dtype, "weight_bytes": weights}
+
+    per_seq_len = [{"seq_len": n, "kv_bytes": cm.kv_bytes(bpt, n),
+                    "max_concurrency": cm.max_concurrency(kv_mem, bpt, n),
+                    "max_concurrency_8bit": cm.max_concurrency(kv_mem, bpt8, n)} for n in opts.seq_lens]
+    kv = {"kv_cache_dtype": kv_dtype, "dtype_bytes": b, "kv_bytes_per_token": bpt, "kv_memory_bytes": kv_mem,
+          "gqa_factor": a.num_attention_heads / a.num_key_value_heads,
+          "per_seq_len": per_seq_len}
+
+    max_fit = cm.max_concurrency(kv_mem, bpt, ctx)
+    rows = []
+    for batch in BATCH_SIZES:
+        kv_total = batch * cm.kv_bytes(bpt, ctx)
+        t = cm.decode_step_lower_bound_s(weights, kv_total, bw)
+        rows.append({"batch": batch, "kv_bytes": kv_total, "step_s": t, "per_request_tok_s": 1 / t,
+                     "total_tok_s": batch / t, "kv_share": kv_total / (weights + kv_total), "fits": batch <= max_fit})
+    ok = [r for r in rows if r["fits"] and (opts.tpot_slo_s is None or r["step_s"] <= opts.tpot_slo_s)]
+    roofline = {"bandwidth_bytes_per_s": bw, "bandwidth_source": "given" if opts.bandwidth_bytes_per_s else
+                "measured (numpy copy)", "context_len": ctx, "max_batch_that_fits": max_fit, "rows": rows,
+                "best_batch": ok[-1]["batch"] if ok else None, "tpot_slo_s": opts.tpot_slo_s}
+
+    preempt = {"prefill_tokens_per_s": prefill, "prefill_source": "given" if opts.prefill_tokens_per_s else
+               f"estimate: {opts.compute_flops:.3g} FLOP/s / (2 × params)", "copy_bytes_per_s": copy_bw,
+               "copy_source": "given" if opts.copy_bytes_per_s else "measured (numpy copy)",
+               "rows": [{"seq_len": n, "recompute_s": cm.recompute_time_s(n, prefill),
+                         "swap_s": cm.swap_time_s(n, bpt, copy_bw),
+                         "choice": cm.preempt_choice(n, bpt, prefill, copy_bw)} for n in opts.seq_lens]}
+
+    fetch = {"seq_len": ctx, "prefill_tokens_per_s": prefill,
+             "rows": [{"link": name, "link_bytes_per_s": s,
+                       "break_even_prefill_tokens_per_s": cm.fetch_break_even_prefill_tokens_per_s(s, bpt),
+                       "fetch_s": cm.fetch_time_s(ctx, bpt, s), "recompute_s": cm.recompute_time_s(ctx, prefill),
+                       "choice": "recompute" if prefill > cm.fetch_break_even_prefill_tokens_per_s(s, bpt)
+                       else "fetch"} for name, s in opts.links.items()]}
+
+    spec = {"draft_cost_ratio": opts.draft_cost_ratio, "k": list(range(1, MAX_K + 1)),
+            "rows": [{"alpha": al, "speedup": [cm.spec_decode_speedup(al, k, opts.draft_cost_ratio)
+                                               for k in range(1, MAX_K + 1)],
+                      "best_k": cm.spec_decode_best_k(al, opts.draft_cost_ratio, MAX_K)[0],
+                      "best_speedup": cm.spec_decode_best_k(al, opts.draft_cost_ratio, MAX_K)[1]} for al in ALPHAS]}
+
+    quant = {"kv_bytes_per_token_8bit": bpt8, "concurrency_gain": cm.concurrency_gain(b, 1),
+             "rows": [{"seq_len": r["seq_len"], "max_concurrency": r["max_concurrency"],
+                       "max_concurrency_8bit": r["max_concurrency_8bit"]} for r in per_seq_len]}
+
+    decode_tok_s = next((r["total_tok_s"] for r in rows if r["batch"] == roofline["best_batch"]),
+                        rows[0]["total_tok_s"])
+    pd = pd_checklist(opts, bpt, prefill, decode_tok_s)
+    return {"model": model, "kv": kv, "roofline": roofline, "preemption": preempt, "fetch_vs_recompute": fetch,
+            "spec_decode": spec, "kv_8bit": quant, "pd": pd, "options": asdict(opts)}
+
+
+def pd_checklist(opts: PlanOptions, kv_bytes_per_token: int, prefill_tokens_per_s: float,
+                 decode_tokens_per_s: float) -> dict[str, Any]:
+    """Prefill/decode disaggregation go/no-go with a reason per check (cost-model.md "Prefill/decode
+    disaggregation"). GO only when every check passes; otherwise "chunked prefill first".
+
+    Checks: interconnect at least RDMA class (25 GB/s) and the prompt's KV transfer at most 10 % of its
+    prefill time; at least 8 devices; a strict TPOT SLO given; both pools get ≥ 1 device at the P:D split
+    the prompt/output ratio implies (``cost_model.pd_prefill_share``).
+    """
+    t_x = cm.pd_transfer_time_s(opts.prompt_len, kv_bytes_per_token, opts.interconnect_bytes_per_s)
+    t_p = cm.recompute_time_s(opts.prompt_len, prefill_tokens_per_s)
+    share = cm.pd_prefill_share(opts.prompt_len, opts.output_len, prefill_tokens_per_s, decode_tokens_per_s)
+    n_p = min(max(round(share * opts.num_devices), 1), max(opts.num_devices - 1, 1))
+    checks = [
+        {"check": "interconnect", "ok": opts.interconnect_bytes_per_s >= RDMA_CLASS_BYTES_PER_S and t_x <= 0.1 * t_p,
+         "reason": f"{opts.interconnect_bytes_per_s / GB:g} GB/s link (RDMA class ≥ {RDMA_CLASS_BYTES_PER_S / GB:g}); "
+                   f"moving a {opts.prompt_len}-token prompt's KV takes {t_x * 1000:.2f} ms vs "
+                   f"{t_p * 1000:.1f} ms to prefill it (must be ≤ 10 %)"},
+        {"check": "devices", "ok": opts.num_devices >= PD_MIN_DEVICES,
+         "reason": f"{opts.num_devices} devices (each pool needs its own scale: ≥ ~{PD_MIN_DEVICES})"},
+        {"check": "tpot_slo", "ok": opts.tpot_slo_s is not None,
+         "reason": (f"strict TPOT SLO {opts.tpot_slo_s * 1000:g} ms: separate decode devices stop prefill stalls"
+                    if opts.tpot_slo_s is not None else "no strict TPOT SLO: chunked prefill bounds stalls enough")},
+        {"check": "pd_split", "ok": opts.num_devices >= 2,
+         "reason": f"prompt {opts.prompt_len} / output {opts.output_len} tokens: prefill needs {share:.0%} of device "
+                   f"time -> {n_p} prefill : {max(opts.num_devices - n_p, 0)} decode devices"},
+    ]
+    go = all(c["ok"] for c in checks)
+    return {"go": go, "verdict": "GO: disaggregate" if go else "NO-GO: chunked prefill first", "checks": checks,
+            "transfer_s": t_x, "prefill_s": t_p, "prefill_share": share, "prefill_devices": n_p}

@@ -1,0 +1,77 @@
+"""``kvserve plan`` as rich tables (one per section of :func:`kvserve.planner.plan.build_plan`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvserve.planner.plan import GB, GiB
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _s(t: float) -> str:
+    return f"{t * 1000:,.2f} ms" if t < 1 else f"{t:,.2f} s"
+
+
+def _table(title: str, cols: list[str], rows: list[list[str]], caption: str = "") -> Table:
+    t = Table(title=title, caption=caption or None, title_justify="left")
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("link", "check", "reason") else "right")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def render_plan(plan: dict[str, Any], console: Console | None = None) -> None:
+    """Print every section of ``plan``."""
+    c = console or Console()
+    m, kv, rf = plan["model"], plan["kv"], plan["roofline"]
+    c.print(f"[bold]{m['name']}[/bold] ({m['architecture']}): {m['num_layers']} layers, {m['num_heads']} heads / "
+            f"{m['num_kv_heads']} KV heads × {m['head_dim']}, {m['num_params'] / 1e6:,.1f} M params; weights "
+            f"{_bytes(m['weight_bytes'])} as {m['dtype']} (file {_bytes(m['file_bytes'])})")
+    c.print(_table(f"KV cache ({kv['kv_cache_dtype']}): {kv['kv_bytes_per_token']:,} B/token; KV budget "
+                   f"{_bytes(kv['kv_memory_bytes'])}", ["seq len", "KV / request", "max concurrency",
+                                                         "max concurrency 8-bit KV"],
+                   [[f"{r['seq_len']:,}", _bytes(r["kv_bytes"]), f"{r['max_concurrency']:,}",
+                     f"{r['max_concurrency_8bit']:,}"] for r in kv["per_seq_len"]],
+                   f"GQA saves {kv['gqa_factor']:g}× vs full MHA"))
+    c.print(_table(f"Decode roofline at {rf['context_len']:,} tokens/request, {rf['bandwidth_bytes_per_s'] / GB:.1f} "
+                   f"GB/s ({rf['bandwidth_source']})", ["batch", "KV read", "step ≥", "tok/s per request ≤",
+                                                        "total tok/s ≤", "KV share", "fits"],
+                   [[str(r["batch"]), _bytes(r["kv_bytes"]), _s(r["step_s"]), f"{r['per_request_tok_s']:,.1f}",
+                     f"{r['total_tok_s']:,.0f}", f"{r['kv_share']:.0%}", "yes" if r["fits"] else "no"]
+                    for r in rf["rows"]],
+                   f"largest batch that fits: {rf['max_batch_that_fits']}; best batch"
+                   f"{' under the TPOT SLO' if rf['tpot_slo_s'] else ''}: {rf['best_batch']}"))
+    p = plan["preemption"]
+    c.print(_table(f"Preemption: prefill {p['prefill_tokens_per_s']:,.0f} tok/s ({p['prefill_source']}), copy "
+                   f"{p['copy_bytes_per_s'] / GB:.1f} GB/s ({p['copy_source']})", ["seq len", "recompute", "swap",
+                                                                                   "cheaper"],
+                   [[f"{r['seq_len']:,}", _s(r["recompute_s"]), _s(r["swap_s"]), r["choice"]] for r in p["rows"]]))
+    f = plan["fetch_vs_recompute"]
+    c.print(_table(f"Tiered KV: fetch or recompute {f['seq_len']:,} tokens (prefill {f['prefill_tokens_per_s']:,.0f} "
+                   "tok/s)", ["link", "GB/s", "break-even prefill tok/s", "fetch", "recompute", "cheaper"],
+                   [[r["link"], f"{r['link_bytes_per_s'] / GB:g}", f"{r['break_even_prefill_tokens_per_s']:,.0f}",
+                     _s(r["fetch_s"]), _s(r["recompute_s"]), r["choice"]] for r in f["rows"]]))
+    sd = plan["spec_decode"]
+    c.print(_table(f"Speculative decoding speedup (draft cost {sd['draft_cost_ratio']:g} of a target step)",
+                   ["α", *[f"k={k}" for k in sd["k"]], "best k"],
+                   [[f"{r['alpha']:.1f}", *[f"{s:.2f}" for s in r["speedup"]],
+                     f"{r['best_k']} ({r['best_speedup']:.2f}×)"] for r in sd["rows"]],
+                   "only while compute is idle (low batch); Leviathan et al. 2023"))
+    q = plan["kv_8bit"]
+    c.print(_table(f"8-bit KV cache: {q['kv_bytes_per_token_8bit']:,} B/token, {q['concurrency_gain']:g}× concurrency",
+                   ["seq len", "max concurrency", "with 8-bit KV"],
+                   [[f"{r['seq_len']:,}", f"{r['max_concurrency']:,}", f"{r['max_concurrency_8bit']:,}"]
+                    for r in q["rows"]]))
+    pd = plan["pd"]
+    c.print(_table(f"Prefill/decode disaggregation: {pd['verdict']}", ["check", "ok", "reason"],
+                   [[x["check"], "yes" if x["ok"] else "no", x["reason"]] for x in pd["checks"]]))

@@ -1,0 +1,93 @@
+"""``kvserve plan`` on the real SmolLM2-135M config (GGUF header only) against hand-computed values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.planner.bandwidth import measure_bandwidth
+from kvserve.planner.model_info import ModelInfo, load_model_info
+from kvserve.planner.plan import GB, GiB, PlanOptions, build_plan
+
+MODEL = "smollm2-135m-instruct"
+SMOL_PARAMS = 134_515_008  # elements of every tensor in the GGUF file (tied embedding counted once)
+
+
+@pytest.fixture(scope="module")
+def info() -> ModelInfo:
+    return load_model_info(MODEL)
+
+
+def test_model_info_from_gguf_header(info: ModelInfo) -> None:
+    a = info.arch
+    assert (a.num_hidden_layers, a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (30, 9, 3, 64)
+    assert info.num_params == SMOL_PARAMS
+    assert info.weight_bytes(4) == 538_060_032
+    assert info.file_bytes < info.weight_bytes(4) / 4  # stored quantized (Q4_1 mostly)
+
+
+def test_plan_values_for_smollm2(info: ModelInfo) -> None:
+    opts = PlanOptions(dtype="float32", kv_cache_memory_bytes=2 * GiB, bandwidth_bytes_per_s=10 * GB,
+                       copy_bytes_per_s=5 * GB, seq_lens=(512, 2048), context_len=2048, prefill_tokens_per_s=300.0)
+    plan = build_plan(info, opts)
+    kv = plan["kv"]
+    assert kv["kv_bytes_per_token"] == 46_080  # 2 × 30 × 3 × 64 × 4
+    assert kv["gqa_factor"] == 3
+    r512, r2048 = kv["per_seq_len"]
+    assert r2048["kv_bytes"] == 94_371_840  # 46,080 × 2,048
+    assert r512["max_concurrency"] == 91  # floor(2 GiB / 23,592,960)
+    assert r2048["max_concurrency"] == 22  # floor(2,147,483,648 / 94,371,840) = floor(22.76)
+    assert r2048["max_concurrency_8bit"] == 91  # 11,520 B/token × 2,048 = 23,592,960
+    assert plan["kv_8bit"]["concurrency_gain"] == 4
+    rows = {r["batch"]: r for r in plan["roofline"]["rows"]}
+    # batch 1: (538,060,032 + 94,371,840) / 1e10 = 63.24 ms
+    assert rows[1]["step_s"] == pytest.approx(0.0632431872)
+    assert rows[16]["step_s"] == pytest.approx((538_060_032 + 16 * 94_371_840) / 1e10)
+    assert rows[16]["total_tok_s"] == pytest.approx(16 / rows[16]["step_s"])
+    assert rows[16]["fits"] and not rows[32]["fits"] and plan["roofline"]["max_batch_that_fits"] == 22
+    assert plan["roofline"]["best_batch"] == 16
+    pre = {r["seq_len"]: r for r in plan["preemption"]["rows"]}
+    assert pre[2048]["recompute_s"] == pytest.approx(2048 / 300)
+    assert pre[2048]["swap_s"] == pytest.approx(2 * 94_371_840 / 5e9)
+    assert pre[2048]["choice"] == "swap"
+    fetch = {r["link"]: r for r in plan["fetch_vs_recompute"]["rows"]}
+    assert fetch["10 GbE"]["break_even_prefill_tokens_per_s"] == pytest.approx(1.25e9 / 46_080)
+    assert fetch["PCIe 4 x16"]["choice"] == "fetch"  # 300 tok/s prefill << 542,535
+    sd = {r["alpha"]: r for r in plan["spec_decode"]["rows"]}
+    assert sd[0.8]["speedup"][3] == pytest.approx(3.3616 / 1.2)  # k=4, c=0.05
+    assert sd[0.5]["best_k"] == 3 and sd[0.9]["best_k"] == 8
+    assert plan["pd"]["go"] is False and len(plan["pd"]["checks"]) == 4
+
+
+def test_pd_go_with_fast_links_many_devices_and_tpot_slo(info: ModelInfo) -> None:
+    opts = PlanOptions(bandwidth_bytes_per_s=3000 * GB, copy_bytes_per_s=25 * GB, prefill_tokens_per_s=20_000,
+                       num_devices=16, interconnect_bytes_per_s=400 * GB, tpot_slo_s=0.05)
+    pd = build_plan(info, opts)["pd"]
+    assert pd["go"], pd["checks"]
+    assert 1 <= pd["prefill_devices"] <= 15
+
+
+def test_kv_cache_dtype_and_memory_budget(info: ModelInfo) -> None:
+    opts = PlanOptions(dtype="bfloat16", kv_cache_dtype="fp8", memory_bytes=8 * GiB, utilization=0.5,
+                       bandwidth_bytes_per_s=1e10, copy_bytes_per_s=1e10)
+    plan = build_plan(info, opts)
+    assert plan["kv"]["kv_bytes_per_token"] == 11_520
+    assert plan["model"]["weight_bytes"] == SMOL_PARAMS * 2
+    assert plan["kv"]["kv_memory_bytes"] == pytest.approx(4 * GiB - SMOL_PARAMS * 2)
+
+
+def test_measure_bandwidth() -> None:
+    bw = measure_bandwidth(size_mib=8, repeats=2)
+    assert bw.memory == pytest.approx(2 * bw.copy) and bw.copy > 1e8
+
+
+def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.entrypoints.cli import main
+
+    assert main(["plan", "--model", MODEL, "--json", "--bandwidth-gbs", "10", "--copy-bandwidth-gbs", "5",
+                 "--seq-lens", "1024"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["kv"]["kv_bytes_per_token"] == 46_080 and plan["kv"]["per_seq_len"][0]["kv_bytes"] == 47_185_920
+    assert main(["plan", "--model", MODEL, "--bandwidth-gbs", "10", "--copy-bandwidth-gbs", "5"]) == 0
+    assert "46,080 B/token" in capsys.readouterr().out
