@@ -8,6 +8,9 @@
   that returns the first token). Target: from turn 2 on, hit rate >= 90 % and TTFT <= 25 % of cache-off.
 * ``shared``: 64 requests sharing the same ~1,000-token system prompt, each with a short distinct
   question (~20 tokens), 32 output tokens, all submitted at once: wall time and tok/s, on vs off.
+* ``layout``: the prompt-layout lesson of docs/prefix_caching.md, caching on: 8 sequential requests
+  whose ~500-token system prompt carries a timestamp, once at the start ("bad") and once at the end
+  ("good"), each with a distinct question: mean hit rate and TTFT per layout.
 
 Both phases run in one process with the same thread count, caching off first then on, on two engines
 with identical settings; greedy outputs of on and off are compared (must be identical). Results: a table
@@ -15,7 +18,7 @@ and JSON under results/.
 
 Usage::
 
-    python benchmarks/prefix_caching.py                 # both workloads, 1 thread
+    python benchmarks/prefix_caching.py                 # all three workloads, 1 thread
     python benchmarks/prefix_caching.py --workload agent --num-threads 2
 """
 
@@ -147,9 +150,35 @@ def bench_shared(engines: dict[str, Any], seed: int, num_prompts: int, output_le
     return result
 
 
+def bench_layout(llm: Any, seed: int, num_requests: int = 8) -> dict[str, Any]:
+    from kvserve import SamplingParams
+
+    tok = llm.engine.tokenizer
+    rng = random.Random(seed + 2)
+    rules = "Follow the house rules below when you answer. " + words_to_tokens(tok, rng, 500)
+    questions = [words_to_tokens(tok, rng, 20) + "?" for _ in range(num_requests)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    result: dict[str, Any] = {}
+    for layout in ("bad", "good"):
+        llm.reset_prefix_cache()
+        rows = []
+        for i, q in enumerate(questions):
+            stamp = f"Current time: 2026-11-29 10:{i:02d}:{(7 * i) % 60:02d} UTC."
+            system = f"{stamp} {rules}" if layout == "bad" else f"{rules} {stamp}"
+            ids = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+            out, ttft = run_one(llm.engine, f"{layout}{i}-{time.monotonic_ns()}", ids, params)
+            rows.append(dict(prompt_tokens=len(ids), cached_tokens=out.num_cached_tokens, ttft_s=ttft))
+        later = rows[1:]
+        result[layout] = dict(rows=rows, hit_rate=sum(r["cached_tokens"] for r in later) / sum(
+            r["prompt_tokens"] for r in later), mean_ttft_s=sum(r["ttft_s"] for r in later) / len(later))
+    print(table([[k, f"{v['hit_rate']:.1%}", f"{v['mean_ttft_s']:.3f}"] for k, v in result.items()],
+                ["timestamp", "hit rate (requests 2..)", "mean TTFT s (requests 2..)"]))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", choices=["agent", "shared", "both"], default="both")
+    ap.add_argument("--workload", choices=["agent", "shared", "layout", "all"], default="all")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--turns", type=int, default=7)
@@ -164,10 +193,13 @@ def main() -> None:
     engines = {name: LLM(args.model, num_threads=args.num_threads, kv_cache_memory=1.0, max_model_len=4096,
                          enable_prefix_caching=(name == "on")) for name in ("off", "on")}
     result: dict[str, Any] = dict(env=environment(args.num_threads), args=vars(args))
-    if args.workload in ("agent", "both"):
+    if args.workload in ("layout", "all"):
+        print("== prompt layout: a timestamp at the start (bad) or at the end (good) of the system prompt")
+        result["layout"] = bench_layout(engines["on"], args.seed)
+    if args.workload in ("agent", "all"):
         print("== agent workload: 1 session, system prompt ~1,000 tokens, 60-token users, 120-token replies")
         result["agent"] = bench_agent(engines, args.seed, args.turns)
-    if args.workload in ("shared", "both"):
+    if args.workload in ("shared", "all"):
         print(f"== shared system prompt: {args.num_prompts} requests, {args.output_len} output tokens each")
         result["shared"] = bench_shared(engines, args.seed, args.num_prompts, args.output_len)
     print(f"saved {write_result('prefix_caching', result, args.out)}")

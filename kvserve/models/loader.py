@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvserve.models.catalog import cache_dir
-from kvserve.models.registry import ModelArchConfig, check_supported
+from kvserve.models.registry import ModelArchConfig, gguf_arch_config
 
 logger = logging.getLogger(__name__)
 
@@ -39,40 +39,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def gguf_arch_config(reader: Any) -> ModelArchConfig:
-    """Read the architecture from GGUF metadata (``{arch}.block_count``, ...)."""
-    arch = _field(reader, "general.architecture")
-    check_supported(arch)
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return ModelArchConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-    )
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -36,7 +36,7 @@ class ModelInfo:
 def _gguf_info(name: str, path: Path) -> ModelInfo:
     import gguf
 
-    from kvserve.models.loader import gguf_arch_config
+    from kvserve.models.registry import gguf_arch_config
 
     reader = gguf.GGUFReader(str(path))
     arch = gguf_arch_config(reader)
