@@ -35,6 +35,16 @@ def _workload() -> tuple[list[dict[str, list[int]]], list[SamplingParams]]:
 def _run(**kwargs: Any) -> tuple[list[list[list[int]]], LLM]:
     llm = LLM(MODEL, max_model_len=512, **kwargs)
     prompts, params = _workload()
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    llm.victims = []  # type: ignore[attr-defined]
+
+    def recording_schedule() -> Any:
+        out = schedule()
+        llm.victims += out.preempted_request_ids  # type: ignore[attr-defined]
+        return out
+
+    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
     outs = llm.generate(prompts, params, use_tqdm=False)
     bm = llm.engine.block_manager
     bm.check_invariants()
@@ -72,6 +82,7 @@ def test_preemption_modes_give_identical_tokens(reference: list[list[list[int]]]
     expected = "recompute" if mode == "recompute" else "swap"  # auto: copies beat prefill on this model
     assert counts[expected] > 0, counts
     assert counts["recompute" if expected == "swap" else "swap"] == 0
+    assert any("#" in v for v in llm.victims)  # type: ignore[attr-defined]  # a sample of the n=2 request
     if expected == "swap":
         assert llm.engine.scheduler.swapped_bytes > 0
         assert llm.engine.perf.copy_bytes_per_s > 0 and llm.engine.perf.prefill_tokens_per_s > 0

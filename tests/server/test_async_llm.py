@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvserve.core.scheduler import SchedulerStats
 from kvserve.engine.async_llm import AsyncLLM, TooManyRequestsError
 from kvserve.entrypoints.openai.server import build_app
 from kvserve.entrypoints.openai.serving import ServerContext
@@ -37,6 +38,9 @@ class _Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
 
 
 class FakeEngine:
