@@ -137,13 +137,12 @@ def _write_json(result: dict[str, Any], out: str | None, name: str) -> Path:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from kvserve.bench.metrics import SLO, loadavg
-    from kvserve.bench.report import plot_sweep, print_report
+    from kvserve.bench.report import make_console, plot_sweep, print_report
     from kvserve.bench.serve import ClientConfig, LoadSpec, sweep, warmup
 
-    console = Console()
+    console = make_console()
     slo = SLO(args.slo_ttft_p95, args.slo_tpot_p95)
     if args.sweep is None:
         loads = [LoadSpec(args.request_rate, args.max_concurrency)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,15 @@ def point_table(points: list[dict[str, Any]], slo: SLO, title: str = "kvserve be
     return t
 
 
+def make_console() -> Console:
+    """A rich console; when stdout is not a terminal (a log file, a pipe) tables get 240 columns instead
+    of rich's default 80, which would squeeze every column to an ellipsis."""
+    return Console() if sys.stdout.isatty() else Console(width=240)
+
+
 def print_report(result: dict[str, Any], slo: SLO, console: Console | None = None) -> None:
     """Print the table of all points and the verdict on the best one."""
-    console = console or Console()
+    console = console or make_console()
     console.print(point_table(result["points"], slo))
     best = result.get("best")
     if len(result["points"]) > 1 or slo.ttft_s is not None or slo.tpot_s is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -32,7 +33,7 @@ def _table(title: str, cols: list[str], rows: list[list[str]], caption: str = ""
 
 def render_plan(plan: dict[str, Any], console: Console | None = None) -> None:
     """Print every section of ``plan``."""
-    c = console or Console()
+    c = console or (Console() if sys.stdout.isatty() else Console(width=240))
     m, kv, rf = plan["model"], plan["kv"], plan["roofline"]
     c.print(f"[bold]{m['name']}[/bold] ({m['architecture']}): {m['num_layers']} layers, {m['num_heads']} heads / "
             f"{m['num_kv_heads']} KV heads × {m['head_dim']}, {m['num_params'] / 1e6:,.1f} M params; weights "
