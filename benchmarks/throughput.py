@@ -45,19 +45,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_common as common  # noqa: E402
 
-OUT_CHOICES = (16, 32, 64, 128, 256)
+from kvserve.bench.offline import make_mixed_workload  # noqa: E402  (workload A, as anchor_bench's "mixed")
+
 HF_PAD_ID = 2
-
-
-def make_mixed_workload(n: int, seed: int) -> list[tuple[list[int], int]]:
-    """Workload A, identical to ``anchor_bench.make_workload("mixed", n, seed)``."""
-    rng = random.Random(seed)
-    reqs = []
-    for _ in range(n):
-        length = rng.randint(50, 800)
-        prompt = [rng.randint(1000, 40000) for _ in range(length)]
-        reqs.append((prompt, rng.choice(OUT_CHOICES)))
-    return reqs
 
 
 def warmup_prompts() -> list[list[int]]:

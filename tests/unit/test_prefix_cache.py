@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from fake_kv import FakeKV  # noqa: E402  (tests/unit/fake_kv.py)
 
 from kvserve.core.block_hash import BlockHash, extend_block_hashes, get_hash_fn, hash_block, root_hash
 from kvserve.core.block_manager import BlockManager
@@ -409,29 +410,6 @@ def test_aborting_a_leader_before_its_prompt_finishes_its_samples() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class FakeKV:
-    """Slot contents as (token id, position): what a real runner would have written there."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.bs = block_size
-        self.blocks: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
-
-    def run(self, out: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
-        for src, dst in out.blocks_to_copy:
-            self.blocks[dst] = list(self.blocks[src])
-        ids, tokens = [], []
-        for s in out.scheduled:
-            r, table = s.request, s.block_table
-            for t in range(s.num_computed_tokens):  # everything attention will read
-                assert self.blocks[table[t // self.bs]][t % self.bs] == (r.all_token_ids[t], t), (r, t)
-            for t in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
-                self.blocks[table[t // self.bs]][t % self.bs] = (r.all_token_ids[t], t)
-            if s.sample:
-                ids.append(r.request_id)
-                tokens.append(rng.randint(0, 3))  # a tiny vocabulary: outputs repeat, so they hit too
-        return ModelRunnerOutput(ids, tokens)
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workload_reads_only_its_own_tokens(seed: int) -> None:
     rng = random.Random(seed)
@@ -439,7 +417,7 @@ def test_random_workload_reads_only_its_own_tokens(seed: int) -> None:
     num_blocks = rng.randint(24, 48) // block_size
     s = Scheduler(SchedulerConfig(rng.randint(2, 6), rng.randint(3, 16), 24),
                   BlockManager(num_blocks, block_size, enable_caching=True, hash_algo=rng.choice(["sha256", "xxhash"])))
-    kv = FakeKV(num_blocks, block_size)
+    kv = FakeKV(num_blocks, 0, block_size)
     prefixes = [[rng.randint(0, 3) for _ in range(rng.randint(1, 10))] for _ in range(3)]
     live: list[str] = []
     n = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from fake_kv import FakeKV  # noqa: E402  (tests/unit/fake_kv.py)
 
 from kvserve.core.block_manager import BlockManager
 from kvserve.core.request import Request, RequestStatus
@@ -289,35 +290,6 @@ def test_failed_swap_becomes_recompute() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # randomized: a fake KV store (device and host) proves every computed position holds its own token
 # ---------------------------------------------------------------------------------------------------------
-
-
-class FakeKV:
-    """Slot contents as (token id, position) on device and host, following the runner's order:
-    swap out, swap in, copy-on-write, then the forward writes."""
-
-    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int) -> None:
-        self.bs = block_size
-        self.device: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
-        self.host: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_host_blocks)]
-
-    def run(self, out: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
-        for d, h in out.blocks_to_swap_out:
-            self.host[h] = list(self.device[d])
-        for h, d in out.blocks_to_swap_in:
-            self.device[d] = list(self.host[h])
-        for src, dst in out.blocks_to_copy:
-            self.device[dst] = list(self.device[src])
-        ids, tokens = [], []
-        for s in out.scheduled:
-            r, table = s.request, s.block_table
-            for t in range(s.num_computed_tokens):
-                assert self.device[table[t // self.bs]][t % self.bs] == (r.all_token_ids[t], t), (r, t)
-            for t in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
-                self.device[table[t // self.bs]][t % self.bs] = (r.all_token_ids[t], t)
-            if s.sample:
-                ids.append(r.request_id)
-                tokens.append(rng.randint(0, 3))
-        return ModelRunnerOutput(ids, tokens)
 
 
 @pytest.mark.parametrize("seed", range(16))
