@@ -323,17 +323,16 @@ class LLMEngine:
     def _update_perf(self, so: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
         """Refresh the cost model's speeds from this step: copy bandwidth from its swaps, prefill speed from
         steps that are mostly prefill (>= 64 prefill tokens making >= 75 % of the step's tokens)."""
-        perf, a = self.perf, self._EMA
+        def ema(old: float, sample: float) -> float:  # the first sample replaces an unmeasured (0) value
+            return sample if old <= 0 else (1 - self._EMA) * old + self._EMA * sample
+
+        perf = self.perf
         if out.swap_bytes > 0 and out.swap_seconds > 0:
-            sample = out.swap_bytes / out.swap_seconds
-            perf.copy_bytes_per_s = sample if perf.copy_bytes_per_s <= 0 else (
-                (1 - a) * perf.copy_bytes_per_s + a * sample)
+            perf.copy_bytes_per_s = ema(perf.copy_bytes_per_s, out.swap_bytes / out.swap_seconds)
         prefill = sum(s.num_scheduled_tokens for s in so.scheduled if s.num_scheduled_tokens > 1)
         total = so.total_num_scheduled_tokens
         if prefill >= 64 and prefill >= 0.75 * total and seconds > out.swap_seconds:
-            sample = total / (seconds - out.swap_seconds)
-            perf.prefill_tokens_per_s = sample if perf.prefill_tokens_per_s <= 0 else (
-                (1 - a) * perf.prefill_tokens_per_s + a * sample)
+            perf.prefill_tokens_per_s = ema(perf.prefill_tokens_per_s, total / (seconds - out.swap_seconds))
 
     def _apply_update(self, group: _Group, upd: RequestUpdate) -> None:
         seq = group.sequences[0] if len(group.sequences) == 1 else next(
@@ -382,9 +381,6 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
-
-    def kv_cache_usage(self) -> float:
-        return self.block_manager.usage
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Prefix-cache counters since start: ``queries`` and ``hits`` in prompt tokens (each request

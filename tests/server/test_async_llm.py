@@ -40,7 +40,8 @@ class _Scheduler:
         return len(self.waiting)
 
     def make_stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), 0, 0, 0.0, 0, 0, 0, 0, 0, 0)
+        # kv usage: 0.1 per running request, so the gauge test sees it rise and return to 0
+        return SchedulerStats(len(self.running), len(self.waiting), 0, 0, 0.1 * len(self.running), 0, 0, 0, 0, 0, 0)
 
 
 class FakeEngine:
@@ -49,7 +50,6 @@ class FakeEngine:
     def __init__(self) -> None:
         self.config = _Config()
         self.scheduler = _Scheduler()
-        self.num_preemptions = 0
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.crash = False
         self.wakeups = 0
@@ -71,9 +71,6 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         self.wakeups += 1
         return bool(self.requests)
-
-    def kv_cache_usage(self) -> float:
-        return 0.1 * len(self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
         if self.crash:
