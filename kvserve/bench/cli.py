@@ -163,8 +163,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
     def on_point(p: dict[str, Any]) -> None:
         s = p["summary"]
+
+        def ms(value: float | None) -> str:  # same unit as the table
+            return "n/a" if value is None else f"{value * 1000:.0f} ms"
+
         console.print(f"{p['label']}: {s['completed']}/{s['num_requests']} ok, {s['output_throughput']:.1f} "
-                      f"tok/s, TTFT p95 {s['ttft_s']['p95']}, TPOT p95 {s['tpot_s']['p95']}, "
+                      f"tok/s, TTFT p95 {ms(s['ttft_s']['p95'])}, TPOT p95 {ms(s['tpot_s']['p95'])}, "
                       f"meets SLO: {p['meets_slo']}")
 
     result = sweep(cfg, requests, loads, sizes, slo, args.seed, args.progress, on_point)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVServeError as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `kvserve plan --json | head`: the reader left, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
