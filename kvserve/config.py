@@ -9,6 +9,7 @@ from typing import Any
 from kvserve.errors import InvalidRequestError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -23,7 +24,9 @@ class EngineConfig:
     Attributes:
         model: a catalog name (see ``kvserve.models.catalog``), a local HF folder or a ``.gguf`` path.
         dtype: weight and activation dtype, ``float32`` | ``bfloat16`` | ``float16`` | ``auto``
-            (``auto``: float32 on CPU, bfloat16 on CUDA).
+            (``auto``: bfloat16 on CUDA and on CPUs with native bf16 dot products, ``avx512_bf16`` or
+            ``amx_bf16``; float32 on other CPUs).
+        kv_cache_dtype: ``auto`` (the model dtype) | ``float32`` | ``bfloat16``.
         device: ``auto`` | ``cpu`` | ``cuda`` (``auto``: CUDA when present).
         max_model_len: longest sequence (prompt + output) in tokens; None: the model's own limit.
         block_size: tokens per KV block.
@@ -53,6 +56,7 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
@@ -77,6 +81,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _require(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  f"must be >= 2, got {self.max_model_len}")
@@ -111,6 +117,8 @@ class EngineConfig:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=d.model, help="catalog name, HF folder or .gguf path")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                       help="KV cache dtype; auto: the model dtype")
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--block-size", type=int, default=d.block_size)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvserve import cpu_features
 from kvserve.config import EngineConfig
 from kvserve.core.block_manager import BlockManager
 from kvserve.core.request import Request, RequestStatus
@@ -40,11 +41,13 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokenizer | None,
-                      kv_dtype: torch.dtype) -> str:
+                      kv_dtype: torch.dtype, model_dtype: torch.dtype | None = None,
+                      compute_dtype: torch.dtype | None = None) -> str:
     """A sha256 hex digest naming everything that decides a KV block's contents besides its tokens.
 
     Covers the weights (each weight file's resolved path, size and modification time), the architecture
-    config, the tokenizer (its full serialized form) and the KV dtype. Mixed into every prefix-cache block
+    config, the tokenizer (its full serialized form), the KV dtype, the weights' dtype and the activations'
+    dtype (None: the KV dtype). Mixed into every prefix-cache block
     hash, so KV computed by one model can never be served to a request of another.
     """
     files = sorted(model_path.iterdir()) if model_path.is_dir() else [model_path]
@@ -54,21 +57,43 @@ def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokeni
         "arch": asdict(arch),
         "tokenizer": hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest() if tokenizer else None,
         "kv_dtype": str(kv_dtype),
+        **({"model_dtype": str(model_dtype)} if model_dtype not in (None, kv_dtype) else {}),
+        **({"compute_dtype": str(compute_dtype)} if compute_dtype not in (None, kv_dtype) else {}),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """``auto`` device: CUDA when present; ``auto`` dtype: float32 on CPU, bfloat16 on CUDA."""
+    """``auto`` device: CUDA when present. ``auto`` dtype: bfloat16 on CUDA; on CPU bfloat16 where the CPU
+    has native bf16 dot products (``avx512_bf16`` / ``amx_bf16``), else float32 (bf16 matmuls are emulated
+    on e.g. AVX2-only CPUs and run several times slower than float32). The choice and the CPU's flags are
+    logged."""
     if config.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(config.device)
-    if config.dtype == "auto":
-        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    else:
-        dtype = getattr(torch, config.dtype)
+    if config.dtype != "auto":
+        return device, getattr(torch, config.dtype)
+    if device.type != "cpu":
+        return device, torch.bfloat16
+    dtype = torch.bfloat16 if cpu_features.has_native_bf16() else torch.float32
+    logger.info("--dtype auto -> %s on CPU %s%s", str(dtype).removeprefix("torch."), cpu_features.describe(),
+                "" if dtype == torch.bfloat16 else f" (none of {', '.join(cpu_features.BF16_FLAGS)})")
     return device, dtype
+
+
+def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The activations' dtype for weights of ``dtype``: the same, except bfloat16 weights on a CPU without
+    native bf16 dot products, which compute in float32 (the native kernels widen bf16 weights in registers:
+    half the bytes of float32 weights per decode step, without emulated bf16 arithmetic)."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_features.has_native_bf16():
+        return torch.float32
+    return dtype
+
+
+def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """``--kv-cache-dtype``: ``auto`` follows the model dtype; ``float32`` / ``bfloat16`` as named."""
+    return model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
 
 
 @dataclass
@@ -117,6 +142,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.device, self.dtype = resolve_device_dtype(config)
+        self.compute_dtype = compute_dtype_for(self.dtype, self.device)
+        if self.compute_dtype != self.dtype:
+            logger.info("%s weights with %s activations: CPU %s has no native bf16 dot products", self.dtype,
+                        self.compute_dtype, cpu_features.describe())
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.compute_dtype)
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
         arch, weights = load_weights(self.model_path)
@@ -130,26 +160,28 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_num_batched_tokens: {config.max_num_batched_tokens} must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is off", param="max_num_batched_tokens")
-        model = build_model(arch, weights, self.max_model_len, self.dtype, self.device)
+        model = build_model(arch, weights, self.max_model_len, self.dtype, self.device, self.compute_dtype)
         del weights
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init:
             self.tokenizer = Tokenizer.from_path(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else arch.eos_token_id
         self.num_blocks = self._num_blocks(model)
-        self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.dtype)
+        self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.kv_dtype, self.dtype,
+                                             self.compute_dtype)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.prefix_caching_hash_algo, self.fingerprint)
         num_host_blocks = 0
         if config.preemption_mode != "recompute":
-            num_host_blocks = num_host_blocks_for(config.swap_space, arch, config.block_size, self.dtype)
+            num_host_blocks = num_host_blocks_for(config.swap_space, arch, config.block_size, self.kv_dtype)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill, config.max_num_partial_prefills,
                             config.long_prefill_token_threshold, config.preemption_mode, config.scheduling_policy,
                             num_host_blocks, self.kv_block_bytes()),
             self.block_manager)
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, num_host_blocks)
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, num_host_blocks,
+                                  kv_dtype=self.kv_dtype)
         self.perf: PerfEstimates = self.scheduler.perf
         if config.preemption_mode == "auto" and num_host_blocks > 0:
             # The cost model's two speeds, measured here and then updated by every step (EMA).
@@ -160,8 +192,9 @@ class LLMEngine:
         self._seq_to_group: dict[str, _Group] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
-        logger.info("loaded %s (%s, %s) in %.1f s: %d KV blocks of %d tokens", config.model, self.device,
-                    self.dtype, time.perf_counter() - t0, self.num_blocks, config.block_size)
+        logger.info("loaded %s (%s, %s, KV cache %s) in %.1f s: %d KV blocks of %d tokens", config.model,
+                    self.device, self.dtype, self.kv_dtype, time.perf_counter() - t0, self.num_blocks,
+                    config.block_size)
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
         c = self.config
@@ -175,7 +208,7 @@ class LLMEngine:
             budget = min(budget, free)
         else:
             budget = int(c.kv_cache_memory * GiB)
-        return num_blocks_for_budget(budget, self.arch, c.block_size, self.dtype)
+        return num_blocks_for_budget(budget, self.arch, c.block_size, self.kv_dtype)
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -187,7 +220,7 @@ class LLMEngine:
         return self.kv_cache_capacity_tokens / self.max_model_len
 
     def kv_block_bytes(self) -> int:
-        return block_bytes(self.arch, self.config.block_size, self.dtype)
+        return block_bytes(self.arch, self.config.block_size, self.kv_dtype)
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -57,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"--- {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     e = llm.engine
-    print(f"[kvserve] model {config.model} on {e.device} ({e.dtype}), load {load_s:.1f} s, "
+    print(f"[kvserve] model {config.model} on {e.device} ({e.dtype}, KV cache {e.kv_dtype}), load {load_s:.1f} s, "
           f"{n} tokens in {gen_s:.2f} s ({n / max(gen_s, 1e-9):.1f} tok/s)", file=sys.stderr)
     return 0
 

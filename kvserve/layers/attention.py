@@ -63,7 +63,7 @@ class AttentionMetadata:
             block_tables ``[end - start, max_blocks]`` int64 (padding entries point at any valid block),
             mask ``[end - start, 1, 1, max_blocks * block_size]`` bool, True where a key is attended.
         native_decode: instead of buckets, ``(block_tables [D, max_blocks], seq_lens [D])`` int64 for the
-            compiled CPU kernel (float32 caches on CPU; see ``cpu_kernels.py``).
+            compiled CPU kernel (float32 or bfloat16 caches on CPU; see ``cpu_kernels.py``).
         prefill_groups: prefill chunks, at most two groups: chunks that continue a cached prefix (masked)
             and fresh prompts (causal). See ``PrefillGroup``.
     """
@@ -79,8 +79,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Scatter k, v ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots ``slot_mapping``."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -113,15 +113,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = paged_decode_attention(qd, k_cache, v_cache, block_tables, seq_lens, scale)
         out[:d] = o.view(d, num_heads * head_dim)
     for start, end, block_tables, mask in meta.decode_buckets:
-        k = _gather(k_cache, block_tables)
-        v = _gather(v_cache, block_tables)
+        k = _gather(k_cache, block_tables).to(q.dtype)  # (a no-op when the cache has q's dtype)
+        v = _gather(v_cache, block_tables).to(q.dtype)
         qd = q[start:end].view(end - start, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.reshape(end - start, num_heads * head_dim)
     for grp in meta.prefill_groups:
         p, max_q = grp.block_tables.shape[0], grp.max_q
-        k = _gather(k_cache, grp.block_tables)  # [P, kv_heads, L, hd]
-        v = _gather(v_cache, grp.block_tables)
+        k = _gather(k_cache, grp.block_tables).to(q.dtype)  # [P, kv_heads, L, hd]
+        v = _gather(v_cache, grp.block_tables).to(q.dtype)
         qp = q.new_zeros(p * max_q, num_heads, head_dim)
         qp[grp.pad_index] = q[grp.start:grp.end]
         qp = qp.view(p, max_q, num_heads, head_dim).transpose(1, 2)  # [P, num_heads, max_q, hd]

@@ -1,12 +1,20 @@
 """Native CPU kernels, compiled on first use with the system C compiler and called through ctypes.
 
-``paged_decode_attention`` reads K/V in place from the paged cache (no gather copy); on this project's
-2-core machines it is several times faster than gathering and calling SDPA. It needs a C compiler
-(``cc``); without one, or for non-float32 caches, or on CUDA, callers use the torch path in
-``attention.py``, which is also the oracle the kernel is tested against.
+Three sources under ``csrc/`` build one shared library:
 
-The shared library is cached under ``$KVSERVE_CACHE_DIR/kernels`` (default ~/.cache/kvserve), keyed by
-the source's hash and the compiler flags; set ``KVSERVE_DISABLE_NATIVE=1`` to force the torch path.
+* ``small_gemm.c``: the linear layers and the LM head at small M (decode): weights streamed at the memory
+  bandwidth, float32 or bfloat16 weights, AVX2/AVX-512 FMA or AVX512-BF16 dot products;
+* ``paged_attention.c``: decode attention reading K/V in place from the paged cache (float32 or bfloat16);
+* ``fused_ops.c``: RMSNorm + residual add, SiLU·mul, rotary + KV-cache write, one call each.
+
+Each has a torch reference path (``F.linear``, ``attention.py``, ``layernorm.py``/``rotary.py``), which
+is also the oracle the kernels are tested against, and which callers use when the library is unavailable:
+no C compiler, a failed build, CUDA tensors, or ``KVSERVE_DISABLE_NATIVE=1``.
+
+The library is built with ``-march=native`` (``KVSERVE_NATIVE_MARCH`` overrides it, e.g. ``x86-64-v3`` to
+force the AVX2 path on an AVX-512 host), linked with OpenMP: at run time it binds to the ``libgomp.so.1``
+torch has already loaded, so ``torch.set_num_threads`` sizes one shared thread pool. It is cached under
+``$KVSERVE_CACHE_DIR/kernels`` (default ~/.cache/kvserve), keyed by the sources, flags and compiler.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,42 +36,135 @@ from kvserve.models.catalog import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("csrc") / "paged_attention.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp-simd",
-          "-shared", "-fPIC", "-pthread"]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = {  # file -> its own flags (fast-math only where reductions must reorder to vectorize)
+    "small_gemm.c": ["-ffp-contract=fast"],
+    "paged_attention.c": ["-ffast-math", "-fno-finite-math-only"],
+    "fused_ops.c": ["-ffp-contract=off"],
+}
+_COMMON = ["-O3", "-fPIC", "-fopenmp"]
+_LIBS = ["-lm", "-lmvec"]
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
+    "small_gemm": (ctypes.c_int, [_PTR, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64, _I64]),
+    "small_gemm_features": (ctypes.c_int, []),
+    "paged_decode_attention": (ctypes.c_int, [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR] + [_I64] * 6
+                               + [ctypes.c_float, _I64]),
+    "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]),
+    "silu_mul": (None, [_PTR, _PTR, _I64, _I64, ctypes.c_int]),
+    "rope_write_kv": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]),
+}
+
+
+def march() -> str:
+    """The ``-march`` the library is built for (``KVSERVE_NATIVE_MARCH``, default ``native``)."""
+    return os.environ.get("KVSERVE_NATIVE_MARCH", "native")
+
+
+def build_library(arch: str, compiler: str | None = None) -> ctypes.CDLL | None:
+    """Compile (or reuse the cached build of) the kernels for ``-march=arch`` and load them.
+
+    Returns None, with a warning, when no compiler is found or the build fails: callers then use the
+    torch path. Separate from ``_library`` so tests can build the AVX2 variant on an AVX-512 host.
+    """
+    cc = compiler or os.environ.get("CC", "cc")
+    path = shutil.which(cc) or (None if compiler else shutil.which("gcc"))
+    if path is None:
+        logger.warning("no C compiler found (%s): using the torch kernels", cc)
+        return None
+    digest = hashlib.sha256()
+    for name, flags in sorted(_SOURCES.items()):
+        digest.update((_CSRC / name).read_bytes() + " ".join(flags).encode())
+    digest.update(" ".join([arch, path, *_COMMON]).encode())
+    lib_path = cache_dir() / "kernels" / f"kvserve_cpu-{digest.hexdigest()[:16]}.so"
+    if not lib_path.exists():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+            objs = []
+            for name, flags in _SOURCES.items():
+                obj = Path(tmp) / (name + ".o")
+                cmd = [path, *_COMMON, f"-march={arch}", *flags, "-c", "-o", str(obj), str(_CSRC / name)]
+                result = subprocess.run(cmd, capture_output=True, text=True)
+                if result.returncode != 0:
+                    logger.warning("compiling %s failed, using the torch kernels:\n%s", name, result.stderr)
+                    return None
+                objs.append(str(obj))
+            tmp_lib = Path(tmp) / lib_path.name
+            result = subprocess.run([path, "-shared", "-fopenmp", "-o", str(tmp_lib), *objs, *_LIBS],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("linking the CPU kernels failed, using the torch kernels:\n%s", result.stderr)
+                return None
+            os.replace(tmp_lib, lib_path)
+    lib = ctypes.CDLL(str(lib_path))
+    for fn_name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, fn_name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
 
 
 @cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("KVSERVE_DISABLE_NATIVE"):
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None or not _SRC.exists():
-        logger.warning("no C compiler found: using the torch attention path")
-        return None
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    lib_path = cache_dir() / "kernels" / f"paged_attention-{key}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            tmp_lib = Path(tmp) / lib_path.name
-            result = subprocess.run([compiler, *_FLAGS, "-o", str(tmp_lib), str(_SRC), "-lm", "-lmvec"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("compiling %s failed, using the torch path:\n%s", _SRC.name, result.stderr)
-                return None
-            os.replace(tmp_lib, lib_path)
-    lib = ctypes.CDLL(str(lib_path))
-    fn = lib.paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
-    return lib
+    return build_library(march())
 
 
 def native_available() -> bool:
-    """True when the compiled kernel can be used (a C compiler was found and the build succeeded)."""
+    """True when the compiled kernels can be used (a C compiler was found and the build succeeded)."""
     return _library() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are unavailable (check native_available() first)")
+    return lib
+
+
+def _bf16_flag(t: torch.Tensor) -> int:
+    if t.dtype == torch.bfloat16:
+        return 1
+    if t.dtype == torch.float32:
+        return 0
+    raise TypeError(f"native CPU kernels take float32 or bfloat16 tensors, got {t.dtype}")
+
+
+def gemm_features(lib: ctypes.CDLL | None = None) -> set[str]:
+    """Paths compiled into the library: ``{"avx512"}``, ``{"avx512", "avx512_bf16"}`` or empty (AVX2/generic)."""
+    f = (lib or _lib()).small_gemm_features()
+    return {name for bit, name in ((1, "avx512"), (2, "avx512_bf16")) if f & bit}
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for small M on CPU (decode), reading the weight at memory bandwidth.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16 (a strided row view is copied to contiguous first).
+        weight: ``[N, K]`` float32 or bfloat16, contiguous (an ``nn.Linear`` weight).
+        bias: ``[N]`` float32 or None.
+        lib: a library from ``build_library`` (tests); default: the process's library.
+    Returns:
+        ``[M, N]`` in x's dtype; accumulation in float32 (bf16 x bf16 with AVX512-BF16: ``vdpbf16ps``).
+    Raises:
+        RuntimeError: the kernels are unavailable or scratch memory could not be allocated.
+        TypeError: an unsupported dtype.
+    """
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and weight.is_contiguous(), "weight must be a contiguous [N, K] matrix"
+    assert bias is None or bias.dtype == torch.float32
+    out = torch.empty(m, n, dtype=x.dtype)
+    rc = (lib or _lib()).small_gemm(x.data_ptr(), _bf16_flag(x), weight.data_ptr(), _bf16_flag(weight),
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
+                                    torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"small_gemm failed with code {rc}")
+    return out
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,27 +172,66 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Decode attention over the paged cache, one query token per sequence.
 
     Args:
-        q: ``[num_seqs, num_kv_heads, group, head_dim]`` float32, contiguous, on CPU.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32, contiguous.
+        q: ``[num_seqs, num_kv_heads, group, head_dim]`` (any float dtype; computed in float32), on CPU.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, contiguous.
         block_tables: ``[num_seqs, max_blocks]`` int64 (entries past a sequence's length are ignored).
         seq_lens: ``[num_seqs]`` int64, keys attended per sequence (>= 1).
     Returns:
-        ``[num_seqs, num_kv_heads, group, head_dim]``.
+        ``[num_seqs, num_kv_heads, group, head_dim]`` in q's dtype.
     Raises:
         RuntimeError: the kernel is unavailable (check ``native_available()`` first) or failed.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("native paged attention is unavailable")
-    q = q.contiguous()
+    lib = _lib()
+    q32 = q.float().contiguous()
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()
     num_seqs, num_kv_heads, group, head_dim = q.shape
-    out = torch.empty_like(q)
-    rc = lib.paged_decode_attention_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        out.data_ptr(), num_seqs, num_kv_heads, group, head_dim, k_cache.shape[1], block_tables.shape[1],
-        scale, torch.get_num_threads())
+    out = torch.empty_like(q32)
+    rc = lib.paged_decode_attention(
+        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _bf16_flag(k_cache), block_tables.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_kv_heads, group, head_dim, k_cache.shape[1],
+        block_tables.shape[1], scale, torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"paged_decode_attention_f32 failed with code {rc}")
+        raise RuntimeError(f"paged_decode_attention failed with code {rc}")
+    return out.to(q.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Fused ``residual += x; return RMSNorm(residual)`` (or ``RMSNorm(x)`` when residual is None).
+
+    Args:
+        x, residual: ``[M, H]`` contiguous, one dtype (float32 or bfloat16); residual is updated in place.
+        weight: ``[H]`` in the same dtype.
+    Returns:
+        ``[M, H]``, bitwise the reference's ``weight * to_dtype(r * rsqrt(mean(r^2) + eps))`` up to
+        float32 summation order.
+    """
+    out = torch.empty_like(x)
+    _lib().add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                        out.data_ptr(), x.shape[0], x.shape[1], eps, _bf16_flag(x))
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` ``[M, 2F]`` (contiguous) -> ``[M, F]``."""
+    m, f2 = gate_up.shape
+    out = gate_up.new_empty(m, f2 // 2)
+    _lib().silu_mul(gate_up.data_ptr(), out.data_ptr(), m, f2 // 2, _bf16_flag(gate_up))
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotate q and k of ``qkv`` in place and write k, v to the paged cache.
+
+    Args:
+        qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` contiguous (the fused projection's output).
+        positions, slot_mapping: ``[T]`` int64.
+        cos, sin: ``[max_position, head_dim]`` float32 tables.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in qkv's dtype.
+    """
+    assert qkv.is_contiguous() and k_cache.dtype == qkv.dtype
+    _lib().rope_write_kv(qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.shape[0],
+                         num_heads, num_kv_heads, head_dim, _bf16_flag(qkv))

@@ -36,7 +36,10 @@ class RotaryEmbedding(nn.Module):
         self.sin = emb.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[T]``; q ``[T, num_heads, head_dim]``; k ``[T, num_kv_heads, head_dim]``."""
+        """positions ``[T]``; q ``[T, num_heads, head_dim]``; k ``[T, num_kv_heads, head_dim]``.
+
+        The reference path; on CPU the model uses ``cpu_kernels.rope_write_kv``, which fuses this with the
+        KV-cache write and is tested against it."""
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

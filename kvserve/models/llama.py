@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.layers import cpu_kernels
 from kvserve.layers.attention import AttentionMetadata, paged_attention, write_kv
 from kvserve.layers.layernorm import RMSNorm
+from kvserve.layers.linear import Linear, use_native
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.registry import ModelArchConfig
 
@@ -29,20 +31,27 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k, v fused into one matmul: [q_size + 2 * kv_size, hidden]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        if use_native(qkv) and kv_cache[0].dtype == qkv.dtype:
+            # One call: RoPE on q and k in place, k and v into their cache slots.
+            cpu_kernels.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache[0], kv_cache[1],
+                                      meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(positions, q, k)
+            write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         return self.o_proj(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
 
 
@@ -51,11 +60,14 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if use_native(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -67,10 +79,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the embeddings, with ``residual`` None); residual: the
+        running sum of the residual stream so far. Returns ``(mlp_out, residual)``: the layer's output is
+        their sum, which the next norm takes fused (the same additions, in the same order, as
+        ``x = x + attn(norm(x)); x = x + mlp(norm(x))``)."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -85,17 +108,23 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions ``[num_tokens]`` -> hidden states ``[num_tokens, hidden_size]``."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.compute_dtype)  # (a no-op unless weights are narrower)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms'); linear and embedding weights may be narrower (bf16)."""
+        return self.norm.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> float32 logits ``[num_rows, vocab_size]``."""

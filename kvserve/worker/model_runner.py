@@ -31,11 +31,23 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(arch: ModelArchConfig, weights: dict[str, torch.Tensor], max_position: int,
-                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Instantiate without random init (on the meta device), then load ``weights`` into it."""
+                dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+    """Instantiate without random init (on the meta device), then load ``weights`` into it.
+
+    Args:
+        dtype: the dtype of the linear and embedding weights.
+        compute_dtype: the activations' dtype (norm weights, biases, KV); None: ``dtype``. bfloat16
+            weights with float32 activations is the CPU mode for hosts without bf16 dot products: half
+            the weight bytes per decode step, float32 math (see ``compute_dtype_for``).
+    """
+    compute_dtype = compute_dtype or dtype
     with torch.device("meta"):
         model = MODEL_CLASSES[arch.architecture](arch, max_position)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=device).to(compute_dtype)
+    if dtype != compute_dtype:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
+                module.weight = torch.nn.Parameter(module.weight.to(dtype), requires_grad=False)
     if arch.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.reset_tables()
@@ -51,6 +63,7 @@ class ModelRunner:
         num_blocks, block_size: KV cache geometry (must match the BlockManager's).
         num_host_blocks: blocks of the host swap pool (``kv_cache.num_host_blocks_for(swap_space)``);
             0: no pool, swap preemption impossible.
+        kv_dtype: the KV cache's dtype (None: the model's).
 
     Swap layout: the device cache and the host pool have the same per-layer block shape, so a swap is a
     row copy per layer::
@@ -61,19 +74,21 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.arch = model.config
         self.device = device
-        self.dtype = model.embed_tokens.weight.dtype
+        self.model_dtype = model.compute_dtype
+        self.dtype = kv_dtype or self.model_dtype  # the KV cache's dtype (swaps, block bytes)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_bytes = block_bytes(self.arch, block_size, self.dtype)  # one block, all layers, K and V
         self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, device)
         self.host_kv_caches = allocate_host_swap_pool(self.arch, num_host_blocks, block_size, self.dtype, device)
-        # The compiled kernel reads float32 caches in place on CPU; other cases use the torch path.
-        self.native_decode = device.type == "cpu" and self.dtype == torch.float32 and native_available()
+        # The compiled kernel reads float32 / bfloat16 caches in place on CPU; other cases use the torch path.
+        self.native_decode = (device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+                              and native_available())
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 

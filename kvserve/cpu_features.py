@@ -1,0 +1,60 @@
+"""What the host CPU can do, read once from ``/proc/cpuinfo`` (torch-free).
+
+Used to pick the default dtype (``--dtype auto``): bfloat16 only where the CPU has native bf16 dot
+products (``avx512_bf16`` or ``amx_bf16``); elsewhere (e.g. AVX2-only hosts) bf16 matmuls are emulated
+and run several times slower than float32, so float32 is chosen. ``KVSERVE_CPU_FLAGS`` (a space-separated
+flag list) overrides what is read, to test both choices on any host.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import cache
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# Flags worth logging next to a dtype choice or a benchmark number (the full list is ~100 names).
+REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                  "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+
+
+@cache
+def _read_cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = platform.processor() or platform.machine(), frozenset[str]()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where unreadable), or ``KVSERVE_CPU_FLAGS``."""
+    forced = os.environ.get("KVSERVE_CPU_FLAGS")
+    if forced is not None:
+        return frozenset(forced.split())
+    return _read_cpuinfo()[1]
+
+
+def cpu_model() -> str:
+    """The CPU's model name, e.g. ``AMD EPYC 9R14 96-Core Processor``."""
+    return _read_cpuinfo()[0]
+
+
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """True when bf16 dot products run in hardware (``avx512_bf16`` or ``amx_bf16``)."""
+    return bool(set(BF16_FLAGS) & (cpu_flags() if flags is None else flags))
+
+
+def describe() -> str:
+    """One line for logs and benchmark records: the model name and the flags that matter for kernels."""
+    flags = cpu_flags()
+    present = [f for f in REPORTED_FLAGS if f in flags]
+    return f"{cpu_model()} ({os.cpu_count()} CPUs; {' '.join(present) or 'no SIMD flags read'})"

@@ -1,0 +1,132 @@
+/* Fused memory-bound ops of a decoder layer for CPU, one call each instead of 6-15 framework ops.
+ *
+ * At batch 1 a step runs ~40 small torch ops per layer (casts, views, adds, cat, index_copy): each costs
+ * a few microseconds of dispatch for nanoseconds of work. These kernels do the same arithmetic in one pass:
+ *
+ *   add_rms_norm   residual += x (optional); out = weight * to_dtype(r * rsqrt(mean(r^2) + eps))
+ *                  (HF LlamaRMSNorm: the normalisation in float32, cast to the activation dtype, then
+ *                  multiplied by the weight; Zhang & Sennrich 2019)
+ *   silu_mul       out = silu(gate) * up, gate_up = [gate | up] along the last dim (SwiGLU; Shazeer 2020)
+ *   rope_write_kv  q, k rotated in place (NeoX / HF rotate-half layout; Su et al. 2021), then k and v
+ *                  written to their paged cache slots (vLLM's reshape_and_cache)
+ *
+ * Activations are float32 or bfloat16 (dtype flag 0 / 1); math is float32; bf16 results are rounded to
+ * nearest even after each op the reference rounds at. The torch code in layernorm.py / rotary.py /
+ * attention.py / llama.py is the reference they are tested against.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+__attribute__((simd("notinbranch"))) float expf(float);
+
+static inline float ld(const void *p, int64_t i, int bf16) {
+    if (bf16) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+static inline float round_bf16(float f) { /* float32 -> nearest-even bfloat16, as a float32 */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x400000u;
+    else u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void st(void *p, int64_t i, float f, int bf16) {
+    if (bf16) {
+        uint32_t u;
+        f = round_bf16(f);
+        memcpy(&u, &f, 4);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float *)p)[i] = f;
+    }
+}
+
+/* x, residual, out: [M, H]; weight: [H] (activation dtype). residual may be NULL (no add: the first
+ * layer's input). With a residual: residual <- residual + x (rounded to the dtype, as torch's add), and
+ * the norm is taken of the new residual. */
+void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t M, int64_t H,
+                  float eps, int bf16) {
+    for (int64_t m = 0; m < M; m++) {
+        float ss = 0.f;
+        for (int64_t i = 0; i < H; i++) {
+            float v = ld(x, m * H + i, bf16);
+            if (residual) {
+                v = v + ld(residual, m * H + i, bf16);
+                if (bf16) v = round_bf16(v);
+                st(residual, m * H + i, v, bf16);
+            }
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        const void *src = residual ? residual : x;
+        for (int64_t i = 0; i < H; i++) {
+            float v = ld(src, m * H + i, bf16) * inv;
+            if (bf16) v = round_bf16(v);
+            st(out, m * H + i, ld(weight, i, bf16) * v, bf16);
+        }
+    }
+}
+
+/* gate_up: [M, 2F]; out: [M, F]. silu(g) = g / (1 + exp(-g)); torch rounds silu(g) to the dtype before
+ * the multiply. */
+void silu_mul(const void *gate_up, void *out, int64_t M, int64_t F, int bf16) {
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t i = 0; i < F; i++) {
+            const float g = ld(gate_up, m * 2 * F + i, bf16);
+            float s = g / (1.f + expf(-g));
+            if (bf16) s = round_bf16(s);
+            st(out, m * F + i, s * ld(gate_up, m * 2 * F + F + i, bf16), bf16);
+        }
+    }
+}
+
+/* One head vector of D values rotated in place: out[i] = x[i]*cos[i] - x[i+D/2]*sin[i],
+ * out[i+D/2] = x[i+D/2]*cos[i+D/2] + x[i]*sin[i+D/2]. cos/sin rows are float32 [D] (cast to the dtype
+ * first, as the reference casts its tables; the products and the sum are rounded as torch rounds them). */
+static inline void rope_vec(void *x, int64_t off, const float *c, const float *s, int64_t D, int bf16) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = ld(x, off + i, bf16), b = ld(x, off + i + h, bf16);
+        float c0 = c[i], s0 = s[i], c1 = c[i + h], s1 = s[i + h];
+        float r0, r1;
+        if (bf16) {
+            c0 = round_bf16(c0), s0 = round_bf16(s0), c1 = round_bf16(c1), s1 = round_bf16(s1);
+            r0 = round_bf16(round_bf16(a * c0) + round_bf16(-b * s0));
+            r1 = round_bf16(round_bf16(b * c1) + round_bf16(a * s1));
+        } else {
+            r0 = a * c0 - b * s0;
+            r1 = b * c1 + a * s1;
+        }
+        st(x, off + i, r0, bf16);
+        st(x, off + i + h, r1, bf16);
+    }
+}
+
+/* qkv: [T, row_stride] holding q [Hq*D], k [Hk*D], v [Hk*D] at column offsets 0, Hq*D, (Hq+Hk)*D;
+ * q and k rotated in place at positions[t]; then k and v copied to slot slot_mapping[t] of
+ * k_cache / v_cache ([num_slots, Hk, D], same dtype). cos/sin: float32 [max_position, D]. */
+void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                   const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                   int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16) {
+    const size_t esz = bf16 ? 2 : 4;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
+        const int64_t base = t * row_stride;
+        for (int64_t h = 0; h < Hq + Hk; h++) rope_vec(qkv, base + h * D, c, s, D, bf16);
+        const char *row = (const char *)qkv + (size_t)base * esz;
+        const size_t kv_bytes = (size_t)(Hk * D) * esz;
+        memcpy((char *)k_cache + (size_t)slot_mapping[t] * kv_bytes, row + (size_t)(Hq * D) * esz, kv_bytes);
+        memcpy((char *)v_cache + (size_t)slot_mapping[t] * kv_bytes, row + (size_t)((Hq + Hk) * D) * esz,
+               kv_bytes);
+    }
+}

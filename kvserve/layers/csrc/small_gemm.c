@@ -1,0 +1,297 @@
+/* Small-M linear layer for CPU decode: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), M = 1..16.
+ *
+ * At batch 1..8 a linear reads every weight once and does 2·M FLOPs per weight: it is bound by memory
+ * bandwidth, not arithmetic. Framework GEMMs (oneDNN / MKL via F.linear) are tuned for large M and read
+ * the weights at ~40 % of the machine's bandwidth at M = 1 (docs/performance.md); this kernel streams
+ * them at the bandwidth instead.
+ *
+ * Layout: w is the plain row-major nn.Linear weight [N, K] (no packed copy, so F.linear shares it for
+ * large M). Output rows are taken R = 4 at a time: the 4 weight rows are read as 4 sequential streams
+ * (with a software prefetch well ahead, see PREFETCH) and each weight vector loaded is multiplied with MT token rows
+ * of x held in registers, so weights cross the memory bus once per step:
+ *
+ *     for each tile of 4 output rows (split over OpenMP threads):
+ *         for each group of MT tokens:          # weights re-read from L1/L2, not from memory
+ *             acc[4][MT] += w[4 rows, k:k+VW] * x[MT rows, k:k+VW]     (VW = 8 on AVX2, 16 on AVX-512)
+ *
+ * Weight dtypes: float32, or bfloat16 widened to float32 in registers (a bf16 value is the top half of
+ * an fp32: shift left 16), which halves the bytes read. With AVX512-BF16 and bf16 activations, pairs are
+ * multiplied by `vdpbf16ps` (x rounded to bf16, as a bf16 model's activations already are).
+ * Accumulation is float32 in every path. Activations (x, out) are float32 or bfloat16; a bf16 x is
+ * widened to a float32 scratch copy first (M·K values, small), and outputs are rounded to nearest even.
+ *
+ * Threads: OpenMP, linked against the runtime torch already loaded (same soname), so torch's
+ * set_num_threads governs both and no second thread pool spins.
+ * Reference: torch.nn.functional.linear is the oracle (tests/unit/test_cpu_kernels.py).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#define MT_MAX 4 /* 32 vector registers: 16 accumulators + 4 weights + x */
+#else
+#define VW 8
+#define MT_MAX 2 /* 16 vector registers: 8 accumulators + 4 weights + x */
+#endif
+#define R 4
+/* Software prefetch distance in bytes along each weight row: the 4 interleaved row streams defeat part of
+ * the hardware prefetcher; 8 KiB ahead measured best at M = 1 (77-80 % of the read bandwidth vs 55-70 %
+ * without, AVX2 host; prefetching past a row's end is harmless). */
+#define PREFETCH 8192
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+
+static inline __attribute__((always_inline)) vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) vf load_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    return (vf)u;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet (as torch) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float hsum(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
+/* One tile: output columns [n0, n0 + nr) from weight rows [wn0, wn0 + nr) of w (w may be a scratch copy of
+ * the tile, then wn0 = 0), tokens [m0, m0 + mt) of x (fp32, row stride K).
+ * nr <= R and mt <= MT_MAX are compile-time constants at every call site below. */
+static inline __attribute__((always_inline)) void tile(const float *x, const void *w, int wbf16, int64_t K,
+                                                       int64_t wn0, int64_t n0, int nr, int64_t m0, int mt,
+                                                       float *out, int64_t N, const float *bias) {
+    vf acc[R][4]; /* mt <= MT_MAX <= 4 */
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = (vf){0};
+    const float *wf = (const float *)w;
+    const uint16_t *wh = (const uint16_t *)w;
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) {
+        vf wv[R];
+        for (int r = 0; r < nr; r++) __builtin_prefetch((const char *)w + ((wn0 + r) * K + k) * (wbf16 ? 2 : 4) + PREFETCH);
+        for (int r = 0; r < nr; r++)
+            wv[r] = wbf16 ? load_bf16(wh + (wn0 + r) * K + k) : load_f32(wf + (wn0 + r) * K + k);
+        for (int m = 0; m < mt; m++) {
+            vf xv = load_f32(x + (m0 + m) * K + k);
+            for (int r = 0; r < nr; r++) acc[r][m] += wv[r] * xv;
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int m = 0; m < mt; m++) {
+            float s = hsum(acc[r][m]);
+            for (int64_t kk = k; kk < K; kk++) {
+                float wk = wbf16 ? bf16_to_f32(wh[(wn0 + r) * K + kk]) : wf[(wn0 + r) * K + kk];
+                s += wk * x[(m0 + m) * K + kk];
+            }
+            out[(m0 + m) * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+
+/* bf16 weights, M <= MT_MAX: 2·VW weights per load, widened without shuffles. A 32-bit lane holding the
+ * bf16 pair (w[2j], w[2j+1]) gives w[2j] as `lane << 16` and w[2j+1] as `lane & 0xffff0000`; x was
+ * permuted once per call to match (`xp`: per chunk of 2·VW, the even-index values then the odd ones).
+ * The tail (K % 2·VW) is summed from the unpermuted x. */
+static inline __attribute__((always_inline)) void tile_bf16(const float *x, const float *xp, const uint16_t *w,
+                                                            int64_t K, int64_t n0, int nr, int64_t m0, int mt,
+                                                            float *out, int64_t N, const float *bias) {
+    vf acc[R][4];
+    for (int r = 0; r < nr; r++)
+        for (int m = 0; m < mt; m++) acc[r][m] = (vf){0};
+    const vu hi_mask = (vu){0} + 0xffff0000u;
+    int64_t k = 0;
+    for (; k + 2 * VW <= K; k += 2 * VW) {
+        vf we[R], wo[R];
+        for (int r = 0; r < nr; r++) __builtin_prefetch((const char *)(w + (n0 + r) * K + k) + PREFETCH);
+        for (int r = 0; r < nr; r++) {
+            vu u;
+            memcpy(&u, w + (n0 + r) * K + k, sizeof u);
+            we[r] = (vf)(u << 16);
+            wo[r] = (vf)(u & hi_mask);
+        }
+        for (int m = 0; m < mt; m++) {
+            const vf xe = load_f32(xp + (m0 + m) * K + k), xo = load_f32(xp + (m0 + m) * K + k + VW);
+            for (int r = 0; r < nr; r++) acc[r][m] += we[r] * xe + wo[r] * xo;
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int m = 0; m < mt; m++) {
+            float s = hsum(acc[r][m]);
+            for (int64_t kk = k; kk < K; kk++) s += bf16_to_f32(w[(n0 + r) * K + kk]) * x[(m0 + m) * K + kk];
+            out[(m0 + m) * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+
+#define TILE_CASES(W, WB, WN0)                                                                              \
+    do {                                                                                                    \
+        int64_t m0 = 0;                                                                                     \
+        for (; m0 + MT_MAX <= M; m0 += MT_MAX) tile(x, W, WB, K, WN0, n0, R, m0, MT_MAX, out, N, bias);     \
+        switch (M - m0) {                                                                                   \
+        case 1: tile(x, W, WB, K, WN0, n0, R, m0, 1, out, N, bias); break;                                  \
+        case 2: tile(x, W, WB, K, WN0, n0, R, m0, 2, out, N, bias); break;                                  \
+        case 3: tile(x, W, WB, K, WN0, n0, R, m0, 3, out, N, bias); break;                                  \
+        default: break;                                                                                     \
+        }                                                                                                   \
+    } while (0)
+
+static void gemm_f32x(const float *x, const float *xp, const void *w, int wbf16, const float *bias, float *out,
+                      int64_t M, int64_t N, int64_t K, int nthreads) {
+    const int64_t tiles = N / R;
+    /* With bf16 weights and more tokens than one register tile, each 4-row weight tile is widened once
+     * into a per-thread float32 scratch (L1/L2-resident) instead of once per group of MT_MAX tokens. */
+    const int widen = wbf16 && M > MT_MAX;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *wbuf = widen ? (float *)malloc(sizeof(float) * (size_t)(R * K)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * R;
+            if (wbuf) {
+                const uint16_t *src = (const uint16_t *)w + n0 * K;
+                for (int64_t i = 0; i < R * K; i++) wbuf[i] = bf16_to_f32(src[i]);
+                TILE_CASES(wbuf, 0, 0);
+            } else if (wbf16) { /* M <= MT_MAX <= 4 */
+                const uint16_t *wh = (const uint16_t *)w;
+                switch (M) {
+                case 1: tile_bf16(x, xp, wh, K, n0, R, 0, 1, out, N, bias); break;
+                case 2: tile_bf16(x, xp, wh, K, n0, R, 0, 2, out, N, bias); break;
+                case 3: tile_bf16(x, xp, wh, K, n0, R, 0, 3, out, N, bias); break;
+                default: tile_bf16(x, xp, wh, K, n0, R, 0, 4, out, N, bias); break;
+                }
+            } else {
+                TILE_CASES(w, 0, n0);
+            }
+        }
+        free(wbuf);
+    }
+    for (int64_t n0 = tiles * R; n0 < N; n0++) /* the last N % 4 rows, one at a time */
+        for (int64_t m = 0; m < M; m++) {
+            if (wbf16) tile(x, w, 1, K, n0, n0, 1, m, 1, out, N, bias);
+            else tile(x, w, 0, K, n0, n0, 1, m, 1, out, N, bias);
+        }
+}
+
+#if defined(__AVX512BF16__)
+/* bf16 x bf16 -> fp32 with vdpbf16ps: 32 bf16 pairs per instruction, K padded by masking. */
+static void gemm_dpbf16(const uint16_t *xh, const uint16_t *w, const float *bias, float *out, int64_t M,
+                        int64_t N, int64_t K, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n0 = 0; n0 < N; n0 += R) {
+        const int nr = N - n0 < R ? (int)(N - n0) : R;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int mt = M - m0 < 4 ? (int)(M - m0) : 4;
+            __m512 acc[R][4];
+            for (int r = 0; r < R; r++)
+                for (int m = 0; m < 4; m++) acc[r][m] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < K; k += 32) {
+                const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+                __m512bh wv[R];
+                for (int r = 0; r < R; r++)
+                    wv[r] = r < nr ? (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + r) * K + k)
+                                   : (__m512bh)_mm512_setzero_si512();
+                for (int m = 0; m < mt; m++) {
+                    __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xh + (m0 + m) * K + k);
+                    for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+                }
+            }
+            for (int r = 0; r < nr; r++)
+                for (int m = 0; m < mt; m++)
+                    out[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+}
+#endif
+
+/* The entry point. x_dtype / w_dtype / out follow: 0 = float32, 1 = bfloat16 (out has x's dtype).
+ * bias: float32 [N] or NULL. Returns 0, or -1 when scratch memory could not be allocated. */
+int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *out,
+               int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    const int nthreads = num_threads > 0 ? (int)num_threads : 1;
+    float *out_f = x_bf16 ? (float *)malloc(sizeof(float) * (size_t)(M * N)) : (float *)out;
+    if (out_f == NULL) return -1;
+#if defined(__AVX512BF16__)
+    if (x_bf16 && w_bf16) {
+        gemm_dpbf16((const uint16_t *)x, (const uint16_t *)w, bias, out_f, M, N, K, nthreads);
+        goto convert_out;
+    }
+#endif
+    {
+        const float *xf = (const float *)x;
+        float *scratch = NULL;
+        if (x_bf16) {
+            scratch = (float *)malloc(sizeof(float) * (size_t)(M * K));
+            if (scratch == NULL) { free(out_f); return -1; }
+            const uint16_t *xh = (const uint16_t *)x;
+            for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_to_f32(xh[i]);
+            xf = scratch;
+        }
+        float *xp = NULL; /* x permuted for the bf16-weight tiles (see tile_bf16) */
+        if (w_bf16 && M <= MT_MAX) {
+            xp = (float *)malloc(sizeof(float) * (size_t)(M * K));
+            if (xp == NULL) { free(scratch); if (x_bf16) free(out_f); return -1; }
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t c = 0; c + 2 * VW <= K; c += 2 * VW)
+                    for (int64_t j = 0; j < VW; j++) {
+                        xp[m * K + c + j] = xf[m * K + c + 2 * j];
+                        xp[m * K + c + VW + j] = xf[m * K + c + 2 * j + 1];
+                    }
+        }
+        gemm_f32x(xf, xp, w, w_bf16, bias, out_f, M, N, K, nthreads);
+        free(xp);
+        free(scratch);
+    }
+#if defined(__AVX512BF16__)
+convert_out:
+#endif
+    if (x_bf16) {
+        uint16_t *oh = (uint16_t *)out;
+        for (int64_t i = 0; i < M * N; i++) oh[i] = f32_to_bf16(out_f[i]);
+        free(out_f);
+    }
+    return 0;
+}
+
+/* Which paths this build has, as bit flags: 1 = AVX-512 vectors, 2 = AVX512-BF16 dot products. */
+int small_gemm_features(void) {
+    int f = 0;
+#if defined(__AVX512F__)
+    f |= 1;
+#endif
+#if defined(__AVX512BF16__)
+    f |= 2;
+#endif
+    return f;
+}

@@ -1,0 +1,41 @@
+"""Linear layers with a native small-M path on CPU (decode), F.linear otherwise.
+
+At M = 1..``SMALL_M_MAX`` tokens a linear is bound by reading its weight; ``cpu_kernels.small_gemm``
+streams the weight at the memory bandwidth where ``F.linear`` reaches about half of it
+(docs/performance.md). Above that, or on CUDA, or without the native kernels, ``F.linear`` (oneDNN/MKL,
+cuBLAS) is used: it is also the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.layers import cpu_kernels
+
+SMALL_M_MAX = 16  # rows; measured crossover against F.linear, see docs/performance.md
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def use_native(x: torch.Tensor) -> bool:
+    """True when the native CPU kernels serve this activation (CPU tensor, float32/bfloat16, built)."""
+    return x.device.type == "cpu" and x.dtype in NATIVE_DTYPES and cpu_kernels.native_available()
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward takes the native small-M kernel for decode-sized inputs on CPU.
+
+    The weight stays the plain ``[out_features, in_features]`` parameter (shared with ``F.linear`` for
+    large M and with a tied embedding); the kernel takes a float32 bias.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[M, in_features]`` -> ``[M, out_features]``."""
+        if x.dim() == 2 and x.shape[0] <= SMALL_M_MAX and use_native(x) and self.weight.dtype in NATIVE_DTYPES:
+            bias = None if self.bias is None else self.bias.float()  # no copy for float32
+            return cpu_kernels.small_gemm(x, self.weight, bias)
+        # bf16 weights under float32 activations (CPUs without bf16 dot products): widened per call, which
+        # costs little next to the GEMM at the M that takes this path.
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+

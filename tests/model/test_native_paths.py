@@ -1,0 +1,120 @@
+"""Model-level checks of the CPU hot path: the native kernels and the torch fallback both reproduce HF
+transformers token for token (fp32), a bf16 KV cache under an fp32 model stays close to fp32, and
+``--dtype auto`` follows the CPU's flags."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import resolve_device_dtype, resolve_kv_cache_dtype
+from kvserve.layers import cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """A random Qwen2 (QKV bias, untied head, GQA, head_dim 64) as an HF folder, prompts and HF's greedy
+    continuations."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=600, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=False, initializer_range=0.2, rope_theta=10000.0)
+    hf = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    hf.save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 600, (n,), generator=g).tolist() for n in (3, 19, 40)]
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20, min_new_tokens=20,
+                              attention_mask=torch.ones(1, len(ids)), pad_token_id=0, eos_token_id=None)
+            refs.append(out[0, len(ids):].tolist())
+    return path, prompts, refs
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_both_paths_match_transformers(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]], native: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batched decode (M = 3 <= SMALL_M_MAX takes the small-M kernel) and single-token decodes."""
+    path, prompts, refs = tiny_qwen2
+    if native and not cpu_kernels.native_available():
+        pytest.skip("no C compiler: native kernels unbuilt")
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32")
+    assert llm.engine.runner.native_decode is native
+    assert _greedy(llm, prompts) == refs
+    assert [_greedy(llm, [p])[0] for p in prompts] == refs
+
+
+@pytest.mark.slow
+def test_bf16_kv_cache_under_fp32_model() -> None:
+    """``--kv-cache-dtype bfloat16`` halves the KV bytes; SmolLM2 in fp32 over a bf16 cache follows the
+    all-fp32 engine as vLLM's ``check_logprobs_close``: identical up to the first divergence, where each
+    side's token is in the other's top-5."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three colors of the rainbow:\n1."]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
+    fp32 = LLM("smollm2-135m-instruct", kv_cache_memory=0.05, dtype="float32")
+    llm = LLM("smollm2-135m-instruct", kv_cache_memory=0.05, dtype="float32", kv_cache_dtype="bfloat16")
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert llm.engine.kv_block_bytes() * 2 == fp32.engine.kv_block_bytes()
+    assert llm.engine.num_blocks // 2 == fp32.engine.num_blocks  # (the budget floors each count)
+    assert llm.engine.fingerprint != fp32.engine.fingerprint
+    for a, b in zip(fp32.generate(prompts, sp, use_tqdm=False), llm.generate(prompts, sp, use_tqdm=False),
+                    strict=True):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert la is not None and lb is not None
+        assert ta[0] == tb[0]
+        for i, (x, y) in enumerate(zip(ta, tb, strict=True)):
+            if x != y:
+                top_a = {t for t, _ in la[i].top}  # type: ignore[union-attr]
+                top_b = {t for t, _ in lb[i].top}  # type: ignore[union-attr]
+                assert x in top_b and y in top_a, f"position {i}: {x} vs {y}"
+                break
+    llm.engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ("fpu sse2 avx avx2 fma", torch.float32),
+    ("avx2 fma avx512f avx512bw avx512_vnni", torch.float32),
+    ("avx2 avx512f avx512_bf16", torch.bfloat16),
+    ("avx2 avx512f amx_tile amx_bf16", torch.bfloat16),
+])
+def test_dtype_auto_follows_cpu_flags(flags: str, expected: torch.dtype, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("KVSERVE_CPU_FLAGS", flags)
+    caplog.set_level(logging.INFO, logger="kvserve.engine.llm_engine")
+    device, dtype = resolve_device_dtype(EngineConfig(dtype="auto", device="cpu"))
+    assert (device.type, dtype) == ("cpu", expected)
+    assert f"--dtype auto -> {str(expected).removeprefix('torch.')}" in caplog.text
+    assert "avx2" in caplog.text  # the flags that decided it are logged
+    assert resolve_kv_cache_dtype(EngineConfig(), dtype) == dtype  # the KV cache follows the model
+    assert resolve_kv_cache_dtype(EngineConfig(kv_cache_dtype="float32"), dtype) == torch.float32
+    # an explicit dtype is never overridden
+    assert resolve_device_dtype(EngineConfig(dtype="float32", device="cpu"))[1] == torch.float32
+
+
+def test_kv_cache_dtype_flag_is_validated() -> None:
+    from kvserve.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="fp8")

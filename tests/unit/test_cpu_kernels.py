@@ -1,0 +1,175 @@
+"""Native CPU kernels against their torch references, over odd shapes, each compiled path, and the fallbacks.
+
+Paths: the host's own build (``-march=native``: AVX-512 and AVX512-BF16 where the CPU has them), the AVX2
+build (``-march=x86-64-v3``, forced on any AVX2 host) and the baseline SSE2 build (``-march=x86-64``). A
+path the host cannot run is skipped with a reason naming the missing CPU flag.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve import cpu_features
+from kvserve.layers import cpu_kernels
+from kvserve.layers.attention import write_kv
+from kvserve.layers.layernorm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.native_available(), reason="no C compiler: native kernels unbuilt")
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+BF16 = torch.bfloat16
+
+
+def _lib_for(path: str) -> object:
+    """The library for one compiled path, or skip naming the CPU flag the host lacks."""
+    flags = cpu_features.cpu_flags()
+    if path == "native":
+        return cpu_kernels._library()
+    if not X86:
+        pytest.skip(f"the {path} build is x86-only (host: {platform.machine()})")
+    need = {"avx2": ("avx2", "fma"), "sse2": ()}[path]
+    missing = [f for f in need if f not in flags]
+    if missing:
+        pytest.skip(f"CPU lacks {' '.join(missing)}")
+    lib = cpu_kernels.build_library({"avx2": "x86-64-v3", "sse2": "x86-64"}[path])
+    assert lib is not None
+    return lib
+
+
+def _ref_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+@pytest.mark.parametrize("n,k", [(130, 576), (5, 100), (1, 37), (67, 1536)])
+def test_small_gemm_f32_matches_linear(path: str, m: int, n: int, k: int) -> None:
+    lib = _lib_for(path)
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        out = cpu_kernels.small_gemm(x, w, bias, lib=lib)  # type: ignore[arg-type]
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        torch.testing.assert_close(out.double(), _ref_linear(x, w, bias), rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("path", ["native", "avx2"])
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+@pytest.mark.parametrize("n,k", [(130, 576), (5, 100), (9, 64)])
+def test_small_gemm_bf16_matches_linear(path: str, m: int, n: int, k: int) -> None:
+    """bf16 activations and weights: float32 accumulation, the output rounded once to bf16, so the
+    error is within bf16 rounding of the exact product of the bf16 inputs."""
+    lib = _lib_for(path)
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x, w = torch.randn(m, k, generator=g).to(BF16), torch.randn(n, k, generator=g).to(BF16)
+    out = cpu_kernels.small_gemm(x, w, lib=lib)  # type: ignore[arg-type]
+    assert out.dtype == BF16
+    exact = _ref_linear(x, w, None)
+    # one bf16 rounding of the result (2^-8 relative) plus float32 accumulation noise
+    torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-4 * k ** 0.5)
+    # mixed: float32 activations over bf16 weights (exact widening, float32 output)
+    out32 = cpu_kernels.small_gemm(x.float(), w, lib=lib)  # type: ignore[arg-type]
+    torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_small_gemm_avx512_bf16_dot_products() -> None:
+    """The ``vdpbf16ps`` path runs only where the CPU has it (the native build then compiles it in)."""
+    if "avx512_bf16" not in cpu_features.cpu_flags():
+        pytest.skip("CPU lacks avx512_bf16")
+    assert cpu_kernels.gemm_features() == {"avx512", "avx512_bf16"}
+    g = torch.Generator().manual_seed(5)
+    for m, n, k in [(1, 130, 576), (3, 7, 100), (8, 64, 33), (17, 9, 1536)]:
+        x, w = torch.randn(m, k, generator=g).to(BF16), torch.randn(n, k, generator=g).to(BF16)
+        torch.testing.assert_close(cpu_kernels.small_gemm(x, w).double(), _ref_linear(x, w, None),
+                                   rtol=2 ** -8, atol=1e-4 * k ** 0.5)
+
+
+def test_native_build_has_the_paths_the_cpu_allows() -> None:
+    flags = cpu_features.cpu_flags()
+    feats = cpu_kernels.gemm_features()
+    assert ("avx512" in feats) == ("avx512f" in flags)
+    assert ("avx512_bf16" in feats) == ("avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_reference(dtype: torch.dtype, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(2)
+    norm = RMSNorm(100, 1e-5)
+    norm.weight.data = torch.randn(100, generator=g).to(dtype)
+    x, r = torch.randn(5, 100, generator=g).to(dtype), torch.randn(5, 100, generator=g).to(dtype)
+    r_native, r_ref = r.clone(), r.clone()
+    out = cpu_kernels.add_rms_norm(x, r_native if with_residual else None, norm.weight, norm.eps)
+    ref = norm.forward_reference(x, r_ref if with_residual else None)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(r_native, r_ref, rtol=0, atol=0)  # the residual add is exact in both
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(3, 2 * 77, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_write_kv_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
+    g = torch.Generator().manual_seed(head_dim)
+    hq, hk, t, num_slots = 6, 2, 5, 40
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0)
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 7, 100, 511, 3])
+    slots = torch.tensor([3, 9, 0, 39, 17])
+    kc, vc = torch.zeros(num_slots, 1, hk, head_dim, dtype=dtype), torch.zeros(num_slots, 1, hk, head_dim, dtype=dtype)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q, k, v = qkv.clone().split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    q_ref, k_ref = rotary(positions, q.reshape(t, hq, head_dim), k.reshape(t, hk, head_dim))
+    write_kv(k_ref, v.reshape(t, hk, head_dim), kc_ref, vc_ref, slots)
+    cpu_kernels.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, kc, vc, slots, hq, hk, head_dim)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
+    torch.testing.assert_close(qkv[:, :hq * head_dim].reshape(t, hq, head_dim), q_ref, **tol)
+    torch.testing.assert_close(kc, kc_ref, **tol)
+    torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)  # v is copied, not computed
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_paged_attention_bf16_cache_matches_float32_math(head_dim: int) -> None:
+    """A bf16 cache is widened exactly, so the kernel equals the float32 kernel on the widened cache."""
+    g = torch.Generator().manual_seed(head_dim)
+    kc = torch.randn(20, 4, 2, head_dim, generator=g).to(BF16)
+    vc = torch.randn(20, 4, 2, head_dim, generator=g).to(BF16)
+    tables = torch.randperm(20, generator=g)[:18].view(3, 6)
+    lens = torch.tensor([1, 9, 24])
+    q = torch.randn(3, 2, 3, head_dim, generator=g)
+    out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.125)
+    ref = cpu_kernels.paged_decode_attention(q, kc.float(), vc.float(), tables, lens, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    assert cpu_kernels.paged_decode_attention(q.to(BF16), kc, vc, tables, lens, 0.125).dtype == BF16
+
+
+def test_no_compiler_means_no_library_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    assert cpu_kernels.build_library("native", compiler="/nonexistent/cc") is None
+    assert "no C compiler" in caplog.text
+
+
+def test_disabled_native_path_serves_the_torch_kernels() -> None:
+    """KVSERVE_DISABLE_NATIVE=1 (as with no compiler) switches every native path off; the model-level
+    equality of both paths is in tests/model/test_native_paths.py."""
+    env = dict(os.environ, KVSERVE_DISABLE_NATIVE="1")
+    out = subprocess.run([sys.executable, "-c",
+                          "from kvserve.layers import cpu_kernels, linear; import torch;"
+                          "x = torch.randn(2, 8);"
+                          "print(cpu_kernels.native_available(), linear.use_native(x))"],
+                         capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["False", "False"]
