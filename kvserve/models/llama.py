@@ -17,7 +17,7 @@ from torch import nn
 from kvserve.layers import cpu_kernels
 from kvserve.layers.attention import AttentionMetadata, paged_attention, write_kv
 from kvserve.layers.layernorm import RMSNorm
-from kvserve.layers.linear import Linear, use_native
+from kvserve.layers.linear import SMALL_M_MAX, Linear, use_native
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.registry import ModelArchConfig
 
@@ -109,6 +109,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Whole decode steps in one native call where possible (see ``_can_fuse_decode``); tests switch it
+        # off to compare with the per-layer path.
+        self.fuse_decode = True
+        self._layer_ptrs: tuple[tuple[int, int], torch.Tensor] | None = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -116,10 +120,43 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions ``[num_tokens]`` -> hidden states ``[num_tokens, hidden_size]``."""
         x = self.embed_tokens(input_ids).to(self.compute_dtype)  # (a no-op unless weights are narrower)
+        if self._can_fuse_decode(x, kv_caches, meta):
+            return self._fused_decode(x, positions, kv_caches, meta)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)
+
+    def _can_fuse_decode(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                         meta: AttentionMetadata) -> bool:
+        """A pure-decode CPU step in float32 activations over a float32 cache, small enough for the
+        small-M kernels: ``decode_step.c`` runs it whole (the per-layer path below is its reference)."""
+        return (meta.native_decode is not None and meta.num_decode_tokens == x.shape[0] <= SMALL_M_MAX
+                and not meta.prefill_groups and x.dtype == torch.float32 and use_native(x)
+                and kv_caches[0][0].dtype == torch.float32 and self.fuse_decode
+                and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
+
+    def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.native_decode is not None
+        key = (kv_caches[0][0].data_ptr(), len(kv_caches))
+        if self._layer_ptrs is None or self._layer_ptrs[0] != key:
+            rows = []
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+                attn, mlp = layer.self_attn, layer.mlp
+                bias = attn.qkv_proj.bias
+                rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.weight.data_ptr(),
+                             0 if bias is None else bias.data_ptr(), attn.o_proj.weight.data_ptr(),
+                             layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
+                             mlp.down_proj.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()])
+            self._layer_ptrs = (key, torch.tensor(rows, dtype=torch.int64))
+        cfg = self.config
+        block_tables, seq_lens = meta.native_decode
+        return cpu_kernels.decode_step(
+            x.contiguous(), self._layer_ptrs[1], self.norm.weight, positions, meta.slot_mapping, block_tables,
+            seq_lens, kv_caches[0][0].shape[1], self.rotary.cos, self.rotary.sin, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+            self.layers[0].self_attn.scale, self.embed_tokens.weight.dtype == torch.bfloat16)
 
     @property
     def compute_dtype(self) -> torch.dtype:

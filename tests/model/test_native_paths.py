@@ -118,3 +118,43 @@ def test_kv_cache_dtype_flag_is_validated() -> None:
 
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]],
+                                                 dtype: str, num_seqs: int) -> None:
+    """``decode_step.c`` chains the same kernels as the per-layer path: the final hidden states are
+    bitwise equal (fp32 weights, and bf16 weights under fp32 activations)."""
+    if not cpu_kernels.native_available():
+        pytest.skip("no C compiler: native kernels unbuilt")
+    from kvserve.core.request import Request
+    from kvserve.core.scheduler_output import ScheduledRequest
+    from kvserve.worker.input_batch import prepare_inputs
+
+    path, _, _ = tiny_qwen2
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype=dtype, kv_cache_dtype="float32")
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    bs, cpu = runner.block_size, torch.device("cpu")
+    lens = [5, 17, 30][:num_seqs]
+    tables, next_block = [], 0
+    for n in lens:
+        nb = -(-(n + 1) // bs)
+        tables.append(list(range(next_block, next_block + nb)))
+        next_block += nb
+
+    def scheduled(c: int, n: int, table: list[int]) -> ScheduledRequest:
+        req = Request("r", [(7 * i + 3) % 600 for i in range(c + n)], SamplingParams(), None, 8)
+        return ScheduledRequest(req, c, n, table, sample=True)  # type: ignore[arg-type]
+
+    with torch.inference_mode():
+        prefill = [scheduled(0, n, t) for n, t in zip(lens, tables, strict=True)]
+        ids, pos, meta, _ = prepare_inputs(prefill, 0, bs, cpu, native_decode=True)
+        model(ids, pos, runner.kv_caches, meta)
+        decode = [scheduled(n, 1, t) for n, t in zip(lens, tables, strict=True)]
+        ids, pos, meta, _ = prepare_inputs(decode, len(decode), bs, cpu, native_decode=True)
+        assert model._can_fuse_decode(model.embed_tokens(ids).float(), runner.kv_caches, meta)
+        fused = model(ids, pos, runner.kv_caches, meta)
+        model.fuse_decode = False
+        per_layer = model(ids, pos, runner.kv_caches, meta)
+    assert torch.equal(fused, per_layer)

@@ -1,0 +1,81 @@
+/* A whole decode step of a Llama-family decoder in one call (float32 activations; float32 or bfloat16
+ * weights; float32 KV cache): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
+ *
+ * Why: at batch 1 a step is ~300 kernel calls of 20-100 us each. Called one by one from Python, each pays
+ * the interpreter's and ctypes' overhead and restarts the memory pipeline (the hardware prefetchers lose
+ * the stream during the gap), which cost ~30 % of the step at batch 1 here. Inside one C call the kernels
+ * run back to back, as llama.cpp's graph does. The arithmetic is exactly the per-op path's: the same
+ * functions (small_gemm, add_rms_norm, rope_write_kv, paged_decode_attention, silu_mul) in the same order,
+ * so the two paths give bitwise equal results (tests/unit/test_cpu_kernels.py checks it).
+ *
+ * Per layer l, for the M decode tokens (one per sequence), with the residual stream `res`:
+ *     h = rms_norm(res += x)          (layer 0: res = x)
+ *     qkv = h @ Wqkv^T (+ b)          RoPE on q, k; k, v -> cache slots
+ *     a = paged_attention(q, cache)   o = a @ Wo^T
+ *     h = rms_norm(res += o)          x = down(silu(gate(h)) * up(h))
+ * and after the last layer: out = rms_norm(res += x).
+ *
+ * layer_ptrs: [num_layers, 9] int64 addresses: input_norm_w, qkv_w, qkv_b (0: none), o_w,
+ * post_norm_w, gate_up_w, down_w, k_cache, v_cache. Norm weights and biases are float32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *out,
+               int64_t M, int64_t N, int64_t K, int64_t num_threads);
+int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
+                           const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                           int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                           int64_t block_size, int64_t max_blocks, float scale, int64_t num_threads);
+void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t M, int64_t H,
+                  float eps, int bf16);
+void silu_mul(const void *gate_up, void *out, int64_t M, int64_t F, int bf16);
+void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                   const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                   int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16);
+
+enum { P_IN_NORM, P_QKV_W, P_QKV_B, P_O_W, P_POST_NORM, P_GATE_UP_W, P_DOWN_W, P_K_CACHE, P_V_CACHE, P_COUNT };
+
+#define PTR(l, i) ((void *)(intptr_t)layer_ptrs[(l) * P_COUNT + (i)])
+
+/* x: [M, H] float32 embeddings (overwritten: used as scratch); out: [M, H] float32 final normed hidden.
+ * Returns 0, or -1 when scratch memory could not be allocated or a kernel failed. */
+int decode_step(float *x, float *out, const int64_t *layer_ptrs, int64_t num_layers, const float *final_norm,
+                const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_tables,
+                const int64_t *seq_lens, int64_t max_blocks, int64_t block_size, const float *cos_table,
+                const float *sin_table, int64_t M, int64_t H, int64_t Hq, int64_t Hk, int64_t D, int64_t F,
+                float eps, float scale, int w_bf16, int64_t num_threads) {
+    const int64_t qkv_n = (Hq + 2 * Hk) * D, q_n = Hq * D;
+    float *res = (float *)malloc(sizeof(float) * (size_t)(M * H));
+    float *h = (float *)malloc(sizeof(float) * (size_t)(M * H));
+    float *qkv = (float *)malloc(sizeof(float) * (size_t)(M * qkv_n));
+    float *q = (float *)malloc(sizeof(float) * (size_t)(M * q_n));
+    float *attn = (float *)malloc(sizeof(float) * (size_t)(M * q_n));
+    float *gu = (float *)malloc(sizeof(float) * (size_t)(M * 2 * F));
+    float *act = (float *)malloc(sizeof(float) * (size_t)(M * F));
+    int rc = (res && h && qkv && q && attn && gu && act) ? 0 : -1;
+    for (int64_t l = 0; l < num_layers && rc == 0; l++) {
+        if (l == 0) { /* the embeddings start the residual stream */
+            memcpy(res, x, sizeof(float) * (size_t)(M * H));
+            add_rms_norm(x, NULL, PTR(l, P_IN_NORM), h, M, H, eps, 0);
+        } else {
+            add_rms_norm(x, res, PTR(l, P_IN_NORM), h, M, H, eps, 0);
+        }
+        rc |= small_gemm(h, 0, PTR(l, P_QKV_W), w_bf16, (const float *)PTR(l, P_QKV_B), qkv, M, qkv_n, H,
+                         num_threads);
+        rope_write_kv(qkv, qkv_n, positions, cos_table, sin_table, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE),
+                      slot_mapping, M, Hq, Hk, D, 0);
+        for (int64_t m = 0; m < M; m++) memcpy(q + m * q_n, qkv + m * qkv_n, sizeof(float) * (size_t)q_n);
+        rc |= paged_decode_attention(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), 0, block_tables, seq_lens, attn,
+                                     M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
+        rc |= small_gemm(attn, 0, PTR(l, P_O_W), w_bf16, NULL, x, M, H, q_n, num_threads);
+        add_rms_norm(x, res, PTR(l, P_POST_NORM), h, M, H, eps, 0);
+        rc |= small_gemm(h, 0, PTR(l, P_GATE_UP_W), w_bf16, NULL, gu, M, 2 * F, H, num_threads);
+        silu_mul(gu, act, M, F, 0);
+        rc |= small_gemm(act, 0, PTR(l, P_DOWN_W), w_bf16, NULL, x, M, H, F, num_threads);
+    }
+    if (rc == 0) add_rms_norm(x, res, final_norm, out, M, H, eps, 0);
+    free(res), free(h), free(qkv), free(q), free(attn), free(gu), free(act);
+    return rc ? -1 : 0;
+}
