@@ -9,6 +9,7 @@ exact numerics we must reproduce.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -142,7 +143,8 @@ class LlamaForCausalLM(nn.Module):
         key = (kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._layer_ptrs is None or self._layer_ptrs[0] != key:
             rows = []
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            layers = cast(list[DecoderLayer], list(self.layers))
+            for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
                 attn, mlp = layer.self_attn, layer.mlp
                 bias = attn.qkv_proj.bias
                 rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.weight.data_ptr(),
@@ -156,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
             x.contiguous(), self._layer_ptrs[1], self.norm.weight, positions, meta.slot_mapping, block_tables,
             seq_lens, kv_caches[0][0].shape[1], self.rotary.cos, self.rotary.sin, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            self.layers[0].self_attn.scale, self.embed_tokens.weight.dtype == torch.bfloat16)
+            cast(DecoderLayer, self.layers[0]).self_attn.scale, self.embed_tokens.weight.dtype == torch.bfloat16)
 
     @property
     def compute_dtype(self) -> torch.dtype:
