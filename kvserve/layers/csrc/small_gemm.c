@@ -46,7 +46,9 @@
 /* Software prefetch distance in bytes along each weight row: the 4 interleaved row streams defeat part of
  * the hardware prefetcher; 8 KiB ahead measured best at M = 1 (77-80 % of the read bandwidth vs 55-70 %
  * without, AVX2 host; prefetching past a row's end is harmless). */
+#ifndef PREFETCH
 #define PREFETCH 8192
+#endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
@@ -120,7 +122,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
     }
 }
 
-/* bf16 weights, M <= MT_MAX: 2·VW weights per load, widened without shuffles. A 32-bit lane holding the
+/* bf16 weights, up to MT_MAX tokens: 2·VW weights per load, widened without shuffles. A 32-bit lane holding the
  * bf16 pair (w[2j], w[2j+1]) gives w[2j] as `lane << 16` and w[2j+1] as `lane & 0xffff0000`; x was
  * permuted once per call to match (`xp`: per chunk of 2·VW, the even-index values then the odd ones).
  * The tail (K % 2·VW) is summed from the unpermuted x. */
@@ -167,35 +169,30 @@ static inline __attribute__((always_inline)) void tile_bf16(const float *x, cons
         }                                                                                                   \
     } while (0)
 
+#define TILE_BF16_CASES()                                                                                   \
+    do {                                                                                                    \
+        const uint16_t *wh = (const uint16_t *)w;                                                           \
+        int64_t m0 = 0;                                                                                     \
+        for (; m0 + MT_MAX <= M; m0 += MT_MAX) tile_bf16(x, xp, wh, K, n0, R, m0, MT_MAX, out, N, bias);    \
+        switch (M - m0) {                                                                                   \
+        case 1: tile_bf16(x, xp, wh, K, n0, R, m0, 1, out, N, bias); break;                                 \
+        case 2: tile_bf16(x, xp, wh, K, n0, R, m0, 2, out, N, bias); break;                                 \
+        case 3: tile_bf16(x, xp, wh, K, n0, R, m0, 3, out, N, bias); break;                                 \
+        default: break;                                                                                     \
+        }                                                                                                   \
+    } while (0)
+
+/* xp: x permuted for the bf16-weight tiles (see tile_bf16); NULL with float32 weights. */
 static void gemm_f32x(const float *x, const float *xp, const void *w, int wbf16, const float *bias, float *out,
                       int64_t M, int64_t N, int64_t K, int nthreads) {
     const int64_t tiles = N / R;
-    /* With bf16 weights and more tokens than one register tile, each 4-row weight tile is widened once
-     * into a per-thread float32 scratch (L1/L2-resident) instead of once per group of MT_MAX tokens. */
-    const int widen = wbf16 && M > MT_MAX;
-#pragma omp parallel num_threads(nthreads)
-    {
-        float *wbuf = widen ? (float *)malloc(sizeof(float) * (size_t)(R * K)) : NULL;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t n0 = t * R;
-            if (wbuf) {
-                const uint16_t *src = (const uint16_t *)w + n0 * K;
-                for (int64_t i = 0; i < R * K; i++) wbuf[i] = bf16_to_f32(src[i]);
-                TILE_CASES(wbuf, 0, 0);
-            } else if (wbf16) { /* M <= MT_MAX <= 4 */
-                const uint16_t *wh = (const uint16_t *)w;
-                switch (M) {
-                case 1: tile_bf16(x, xp, wh, K, n0, R, 0, 1, out, N, bias); break;
-                case 2: tile_bf16(x, xp, wh, K, n0, R, 0, 2, out, N, bias); break;
-                case 3: tile_bf16(x, xp, wh, K, n0, R, 0, 3, out, N, bias); break;
-                default: tile_bf16(x, xp, wh, K, n0, R, 0, 4, out, N, bias); break;
-                }
-            } else {
-                TILE_CASES(w, 0, n0);
-            }
-        }
-        free(wbuf);
+    /* Each 4-row weight tile is read from memory once; with M > MT_MAX the next groups of tokens re-read
+     * it from L1 (bf16 tiles are widened again in registers: cheaper than a scratch copy). */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * R;
+        if (wbf16) TILE_BF16_CASES();
+        else TILE_CASES(w, 0, n0);
     }
     for (int64_t n0 = tiles * R; n0 < N; n0++) /* the last N % 4 rows, one at a time */
         for (int64_t m = 0; m < M; m++) {
@@ -259,7 +256,7 @@ int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float
             xf = scratch;
         }
         float *xp = NULL; /* x permuted for the bf16-weight tiles (see tile_bf16) */
-        if (w_bf16 && M <= MT_MAX) {
+        if (w_bf16) {
             xp = (float *)malloc(sizeof(float) * (size_t)(M * K));
             if (xp == NULL) { free(scratch); if (x_bf16) free(out_f); return -1; }
             for (int64_t m = 0; m < M; m++)
