@@ -589,6 +589,8 @@ def _run_engine(spec: EngineSpec, args: argparse.Namespace, runs: list[tuple[str
                 if not up():
                     return
             n = min(args.num_prompts, args.decode_prompts) if wl == "decode" else args.num_prompts
+            if wl != "decode" and c == 1:  # a serial run of 64 mixed prompts takes minutes per engine
+                n = min(n, args.serial_prompts)
             reqs = make_workload(wl, n, args.seed)
             salt = f"vs-peers-{spec.key}-{wl}-c{c}-{os.getpid()}-{time.time_ns()}"
             results, wall, con, srv = asyncio.run(
@@ -611,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="space-separated WORKLOAD:CONCURRENCY items")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--decode-prompts", type=int, default=8, help="decode runs use min(num-prompts, this)")
+    ap.add_argument("--serial-prompts", type=int, default=16,
+                    help="concurrency-1 runs (other than decode) use min(num-prompts, this)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--kv-args", default="", help="extra `kvserve serve` flags (one shell-quoted string)")
@@ -630,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = [k.strip() for k in args.engines.split(",") if k.strip()]
     if not keys or any(k not in ENGINES for k in keys):
         ap.error(f"--engines: comma-separated names from {', '.join(ENGINES)}")
-    if args.threads < 1 or args.num_prompts < 1 or args.decode_prompts < 1:
+    if args.threads < 1 or args.num_prompts < 1 or args.decode_prompts < 1 or args.serial_prompts < 1:
         ap.error("--threads, --num-prompts and --decode-prompts must be >= 1")
     out = Path(args.out)
     args.log_dir = args.log_dir or str(out.with_suffix("")) + "-logs"
