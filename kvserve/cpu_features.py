@@ -43,6 +43,11 @@ def cpu_flags() -> frozenset[str]:
     return _read_cpuinfo()[1]
 
 
+def host_flags() -> frozenset[str]:
+    """The flags ``/proc/cpuinfo`` reports, ignoring ``KVSERVE_CPU_FLAGS`` (what compiled code can run)."""
+    return _read_cpuinfo()[1]
+
+
 def cpu_model() -> str:
     """The CPU's model name, e.g. ``AMD EPYC 9R14 96-Core Processor``."""
     return _read_cpuinfo()[0]

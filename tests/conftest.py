@@ -11,8 +11,15 @@ import pytest
 import torch
 
 import kvserve.engine.llm_engine as llm_engine_module
+from kvserve import cpu_features
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.loader import load_weights
+
+# The fp32 equality tests (HF token for token) rely on `--dtype auto` = float32 on CPU. On a host with native
+# bf16 dot products auto would pick bfloat16, so the dtype choice is shown the host's flags without them
+# (also in server subprocesses, through the environment); kernel tests read the real flags (host_flags).
+os.environ.setdefault("KVSERVE_CPU_FLAGS",
+                      " ".join(sorted(cpu_features.host_flags() - set(cpu_features.BF16_FLAGS))) or "none")
 
 # Tests share 2 cores with whatever else runs; 2 OpenMP threads under contention can be 10x slower.
 torch.set_num_threads(int(os.environ.get("KVSERVE_TEST_THREADS", "1")))

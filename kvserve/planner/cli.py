@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from kvserve import cpu_features
 from kvserve.cost_model import KV_DTYPE_BYTES
 from kvserve.planner.plan import GB, GiB, PlanOptions
 
@@ -21,7 +22,8 @@ def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="capacity planner: KV size, concurrency, roofline, preemption, PD, spec decode")
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog name, .gguf path or HF folder")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights as served (auto: float32, kvserve's CPU default)")
+                   help="weights as served (auto: what kvserve serves on this CPU: bfloat16 with native bf16 "
+                        "dot products, else float32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPE_BYTES])
     p.add_argument("--memory-gib", type=float, default=d.memory_bytes / GiB, help="device memory (GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.utilization)
@@ -48,7 +50,8 @@ def add_plan_parser(sub: Any) -> None:
 def options_from_args(args: argparse.Namespace) -> PlanOptions:
     """The :class:`PlanOptions` of parsed ``kvserve plan`` flags (GiB, GB/s, ms -> bytes, bytes/s, s)."""
     return PlanOptions(
-        dtype="float32" if args.dtype == "auto" else args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        dtype=("bfloat16" if cpu_features.has_native_bf16() else "float32") if args.dtype == "auto" else args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         memory_bytes=args.memory_gib * GiB, utilization=args.gpu_memory_utilization,
         reserve_bytes=args.reserve_gib * GiB,
         kv_cache_memory_bytes=None if args.kv_cache_memory is None else args.kv_cache_memory * GiB,

@@ -29,7 +29,8 @@ class PlanOptions:
     """Inputs of a plan. Speeds: bytes/s or tokens/s; sizes: bytes; ``None`` bandwidths are measured.
 
     Attributes:
-        dtype: weights as served (``float32`` is what kvserve serves on CPU for ``auto``).
+        dtype: weights as served (for ``auto`` kvserve serves ``float32`` on CPUs without native bf16 dot
+            products, ``bfloat16`` on those with them).
         kv_cache_dtype: ``auto`` = ``dtype``.
         memory_bytes: device memory; the KV budget is ``memory × utilization − weights − reserve``.
         kv_cache_memory_bytes: use this KV budget instead (kvserve's ``--kv-cache-memory`` on CPU).

@@ -31,7 +31,7 @@ import torch
 from test_hf_equivalence import CHAT_PROMPTS, TEXT_PROMPTS
 
 import kvserve.engine.llm_engine as llm_engine_module
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, cpu_features
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.loader import load_weights
 from kvserve.outputs import RequestOutput
@@ -72,9 +72,17 @@ def _load_hf_bf16(path: Path) -> Any:
 
 
 def _kvserve_bf16(model: str, prompts: list[Any], max_new: int) -> tuple[Any, list[list[int]], list[RequestOutput]]:
-    """kvserve's bf16 greedy run over text or chat prompts: (tokenizer, prompt ids, outputs)."""
-    llm = LLM(model, dtype="bfloat16", kv_cache_memory=0.25)
+    """kvserve's bf16 greedy run over text or chat prompts: (tokenizer, prompt ids, outputs).
+
+    The engine sees the host's real CPU flags (conftest hides bf16 dot products from ``--dtype auto``): bf16
+    activations where the CPU has them, as HF's bf16 model; bf16 weights with fp32 activations elsewhere."""
+    real_flags = " ".join(sorted(cpu_features.host_flags())) or "none"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSERVE_CPU_FLAGS", real_flags)
+        llm = LLM(model, dtype="bfloat16", kv_cache_memory=0.25)
     assert llm.engine.dtype == torch.bfloat16
+    assert llm.engine.compute_dtype == (torch.bfloat16 if cpu_features.has_native_bf16(cpu_features.host_flags())
+                                        else torch.float32)
     tok = llm.engine.tokenizer
     assert tok is not None
     prompt_ids = [tok.encode(p) if isinstance(p, str) else tok.apply_chat_template(p) for p in prompts]

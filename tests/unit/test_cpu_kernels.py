@@ -30,7 +30,7 @@ BF16 = torch.bfloat16
 
 def _lib_for(path: str) -> object:
     """The library for one compiled path, or skip naming the CPU flag the host lacks."""
-    flags = cpu_features.cpu_flags()
+    flags = cpu_features.host_flags()
     if path == "native":
         return cpu_kernels._library()
     if not X86:
@@ -82,7 +82,7 @@ def test_small_gemm_bf16_matches_linear(path: str, m: int, n: int, k: int) -> No
 
 def test_small_gemm_avx512_bf16_dot_products() -> None:
     """The ``vdpbf16ps`` path runs only where the CPU has it (the native build then compiles it in)."""
-    if "avx512_bf16" not in cpu_features.cpu_flags():
+    if "avx512_bf16" not in cpu_features.host_flags():
         pytest.skip("CPU lacks avx512_bf16")
     assert cpu_kernels.gemm_features() == {"avx512", "avx512_bf16"}
     g = torch.Generator().manual_seed(5)
@@ -93,7 +93,7 @@ def test_small_gemm_avx512_bf16_dot_products() -> None:
 
 
 def test_native_build_has_the_paths_the_cpu_allows() -> None:
-    flags = cpu_features.cpu_flags()
+    flags = cpu_features.host_flags()
     feats = cpu_kernels.gemm_features()
     assert ("avx512" in feats) == ("avx512f" in flags)
     assert ("avx512_bf16" in feats) == ("avx512_bf16" in flags)
