@@ -52,6 +52,7 @@ class EngineConfig:
             model) | ``recompute`` | ``swap``.
         swap_space: GiB of host memory for swapped-out KV blocks.
         scheduling_policy: ``fcfs`` | ``priority`` (lower ``priority`` value runs first, as vLLM).
+        max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: no limit), as vLLM.
     """
 
     model: str = DEFAULT_MODEL
@@ -77,6 +78,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_space: float = 4.0
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
@@ -108,6 +110,7 @@ class EngineConfig:
         _require(self.swap_space >= 0, "swap_space", f"must be >= 0 GiB, got {self.swap_space}")
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be fcfs or priority, got {self.scheduling_policy!r}")
+        _require(self.max_logprobs >= -1, "max_logprobs", f"must be >= 0 or -1 (no limit), got {self.max_logprobs}")
 
     # ---- CLI -----------------------------------------------------------------------------------
     @staticmethod
@@ -142,6 +145,8 @@ class EngineConfig:
         g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["auto", "recompute", "swap"])
         g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of host memory for swapped KV")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
