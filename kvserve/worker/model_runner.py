@@ -20,6 +20,7 @@ from kvserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, S
 from kvserve.layers.cpu_kernels import native_available
 from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
+from kvserve.sample.logits_processor import LogitsProcessors
 from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.input_batch import prepare_inputs
@@ -90,6 +91,8 @@ class ModelRunner:
         self.native_decode = (device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
                               and native_available())
         self.sampler = Sampler()
+        # Per-request logits edits before sampling (structured output, ...); see sample/logits_processor.py.
+        self.logits_processors = LogitsProcessors()
         self.generators: dict[str, torch.Generator] = {}
 
     # ---- the step ------------------------------------------------------------------------------
@@ -103,6 +106,7 @@ class ModelRunner:
         """
         for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
+        self.logits_processors.release(so.finished_request_ids)
         # NOTE: swaps and copies happen even on a step with nothing scheduled, in the contract's order:
         # swap out (frees device blocks this step may reuse), swap in, copy-on-write, then the forward.
         swap_bytes, swap_seconds = self.swap_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in)
@@ -129,6 +133,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         requests = [s.request for s in sampling]
         _mask_stop_tokens_before_min_tokens(logits, requests)
+        self.logits_processors.apply(logits, requests)
         metadata = SamplingMetadata.build(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
