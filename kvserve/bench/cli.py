@@ -2,6 +2,8 @@
 
     kvserve bench serve --base-url http://127.0.0.1:8000 --model smollm2-135m-instruct --dataset sharegpt \\
         --sweep 1,4,16,64 --slo-ttft-p95 2 --slo-tpot-p95 0.1 --out results/sweep.json --plot sweep.png
+    kvserve bench serve --backend openai-chat --host 127.0.0.1 --port 8000 --endpoint /v1/chat/completions \\
+        --model smollm2-135m-instruct --dataset-name random --num-prompts 50    (vLLM's spellings)
     kvserve bench throughput --num-prompts 64 --num-threads 1
     kvserve bench latency --input-len 512 --output-len 64 --num-threads 1
 """
@@ -26,17 +28,29 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+# vLLM's ``bench serve --backend`` values that speak OpenAI's API -> our --api.
+BACKENDS = {"vllm": "completions", "openai": "completions", "sglang": "completions", "lmdeploy": "completions",
+            "llama.cpp": "completions", "openai-chat": "chat"}
+
+
 def add_bench_parser(sub: Any) -> None:
     """Add ``bench`` with its three subcommands to the ``kvserve`` subparsers."""
     bench = sub.add_parser("bench", help="benchmark a server (serve) or the engine (throughput, latency)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
     s = bsub.add_parser("serve", help="SLO-aware benchmark of an OpenAI-compatible server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
+    s.add_argument("--host", default="127.0.0.1", help="server host, when --base-url is not given (as vLLM)")
+    s.add_argument("--port", type=int, default=8000, help="server port, when --base-url is not given (as vLLM)")
+    s.add_argument("--endpoint", default=None,
+                   help="URL path, e.g. /v1/completions or /v1/chat/completions (sets --api; as vLLM)")
     s.add_argument("--model", required=True, help="model name sent in requests (and tokenizer, see --tokenizer)")
-    s.add_argument("--api", default="completions", choices=["completions", "chat"])
+    s.add_argument("--api", default=None, choices=["completions", "chat"], help="default completions")
+    s.add_argument("--backend", default=None, choices=sorted(BACKENDS),
+                   help="vLLM's spelling of --api: openai-chat = chat, the others = completions")
     s.add_argument("--api-key", default=None)
-    s.add_argument("--dataset", default="random", choices=ds.DATASETS)
+    s.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
+                   choices=[*ds.DATASETS, *(d.replace("-", "_") for d in ds.DATASETS if "-" in d)])
     s.add_argument("--num-prompts", type=int, default=100, help="requests (multi-turn: sessions)")
     s.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals, requests/s (inf: all)")
     s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)")
@@ -136,13 +150,37 @@ def _write_json(result: dict[str, Any], out: str | None, name: str) -> Path:
     return path
 
 
+def resolve_target(args: argparse.Namespace) -> tuple[str, str, str | None]:
+    """(base URL, api, endpoint) from our flags and vLLM's (``--host/--port``, ``--backend``, ``--endpoint``).
+
+    Raises:
+        ValueError: flags that contradict each other (e.g. ``--api completions --endpoint /v1/chat/completions``).
+    """
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    apis = {name: api for name, api in (
+        ("--api", args.api), ("--backend", BACKENDS.get(args.backend or "")),
+        ("--endpoint", None if args.endpoint is None else
+         "chat" if args.endpoint.rstrip("/").endswith("chat/completions") else "completions")) if api}
+    if len(set(apis.values())) > 1:
+        raise ValueError("flags disagree on the API: " + ", ".join(f"{k} -> {v}" for k, v in apis.items()))
+    endpoint = args.endpoint if args.endpoint is None or args.endpoint.startswith("/") else "/" + args.endpoint
+    return base_url.rstrip("/"), next(iter(apis.values()), "completions"), endpoint
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import sys
 
     from kvserve.bench.metrics import SLO, loadavg
     from kvserve.bench.report import make_console, plot_sweep, print_report
     from kvserve.bench.serve import ClientConfig, LoadSpec, sweep, warmup
 
     console = make_console()
+    try:
+        args.base_url, args.api, endpoint = resolve_target(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.dataset = args.dataset.replace("_", "-")
     slo = SLO(args.slo_ttft_p95, args.slo_tpot_p95)
     if args.sweep is None:
         loads = [LoadSpec(args.request_rate, args.max_concurrency)]
@@ -153,13 +191,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     sizes = [max(args.num_prompts, args.sweep_prompts_per_concurrency * (ld.max_concurrency or 0)) for ld in loads]
     requests, info = build_requests(args, max(sizes))
     cfg = ClientConfig(args.base_url, args.model, args.api, args.api_key, args.ignore_eos, args.logprobs,
-                       args.temperature)
+                       args.temperature, endpoint=endpoint)
     info.update(mean_prompt_len=sum(r.prompt_len for r in requests) / len(requests),
                 mean_output_len=sum(r.output_len for r in requests) / len(requests))
     console.print(f"dataset {args.dataset}: {len(requests)} requests, mean prompt {info['mean_prompt_len']:.0f} "
                   f"tokens ({info['length_source']}), mean output {info['mean_output_len']:.0f}; load "
                   f"{loadavg()}")
-    warmup(cfg, requests[0])
+    try:
+        warmup(cfg, requests[0])
+    except RuntimeError as e:  # server down, wrong model or endpoint: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     def on_point(p: dict[str, Any]) -> None:
         s = p["summary"]
@@ -167,9 +209,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         def ms(value: float | None) -> str:  # same unit as the table
             return "n/a" if value is None else f"{value * 1000:.0f} ms"
 
+        verdict = f", meets SLO: {p['meets_slo']}" if slo.given else ""
         console.print(f"{p['label']}: {s['completed']}/{s['num_requests']} ok, {s['output_throughput']:.1f} "
-                      f"tok/s, TTFT p95 {ms(s['ttft_s']['p95'])}, TPOT p95 {ms(s['tpot_s']['p95'])}, "
-                      f"meets SLO: {p['meets_slo']}")
+                      f"tok/s, TTFT p95 {ms(s['ttft_s']['p95'])}, TPOT p95 {ms(s['tpot_s']['p95'])}{verdict}")
 
     result = sweep(cfg, requests, loads, sizes, slo, args.seed, args.progress, on_point)
     result = {"benchmark": "serve", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "base_url": args.base_url,

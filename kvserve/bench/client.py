@@ -11,6 +11,12 @@ vllm-project/vllm#7242, our case BC-24):
   counts, one sample per chunk gap (``itl_token_aligned`` False when that differs from the usage count).
 * E2E: request sent -> last byte of the stream. TPOT (per request) = (E2E − TTFT) / (output_tokens − 1).
 * Output tokens: the server's ``usage.completion_tokens`` (``stream_options.include_usage``), not chunks.
+
+Keep-alive: the client reuses idle connections, and a server may close one just as a request is written on
+it (llama.cpp's server closes idle keep-alive connections; the client then sees ``ServerDisconnectedError``
+before any response byte). That is the client's own race, not a server failure, so a request that fails
+this way on a *reused* connection is sent once more on a fresh connection (``retried``; its timings start
+at the retry). A request whose fresh connection is dropped fails as before.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -36,6 +43,7 @@ class RequestInput:
     logprobs: bool = True
     temperature: float = 0.0
     api_key: str | None = None
+    endpoint: str | None = None  # the URL path (vLLM's --endpoint); None: /v1/completions or /v1/chat/completions
 
 
 @dataclass
@@ -60,6 +68,7 @@ class RequestResult:
     itl_token_aligned: bool = False
     text: str = ""
     chunk_times: list[float] = field(default_factory=list)
+    retried: bool = False
 
     @property
     def tpot(self) -> float | None:
@@ -81,12 +90,12 @@ def request_body(inp: RequestInput) -> tuple[str, dict[str, Any]]:
     if inp.ignore_eos:
         body["ignore_eos"] = True
     if inp.api == "chat":
-        url = inp.base_url.rstrip("/") + "/v1/chat/completions"
+        url = inp.base_url.rstrip("/") + (inp.endpoint or "/v1/chat/completions")
         body["messages"] = inp.prompt
         if inp.logprobs:
             body["logprobs"], body["top_logprobs"] = True, 0
     else:
-        url = inp.base_url.rstrip("/") + "/v1/completions"
+        url = inp.base_url.rstrip("/") + (inp.endpoint or "/v1/completions")
         body["prompt"] = inp.prompt
         if inp.logprobs:
             body["logprobs"] = 0
@@ -125,23 +134,67 @@ def timings_from_chunks(times: list[float], counts: list[int | None]) -> tuple[f
     return times[0], itl, known
 
 
+def connection_trace() -> aiohttp.TraceConfig:
+    """A trace config that tells :func:`send_request` whether its connection was reused (pass it to the
+    ``ClientSession`` as ``trace_configs=[connection_trace()]``)."""
+    trace = aiohttp.TraceConfig()
+
+    async def on_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any) -> None:
+        attempt = ctx.trace_request_ctx
+        if isinstance(attempt, SimpleNamespace):
+            attempt.reused = True
+
+    async def on_create(session: aiohttp.ClientSession, ctx: SimpleNamespace, params: Any) -> None:
+        attempt = ctx.trace_request_ctx
+        if isinstance(attempt, SimpleNamespace):
+            attempt.reused = False
+
+    trace.on_connection_reuseconn.append(on_reuse)
+    trace.on_connection_create_end.append(on_create)
+    return trace
+
+
+class _StaleConnection(Exception):
+    """The server closed a reused keep-alive connection before sending any response byte."""
+
+
 async def send_request(session: aiohttp.ClientSession, inp: RequestInput, t0: float) -> RequestResult:
     """Send one streamed request; never raises for HTTP or stream errors (they land in ``error``).
+
+    A request that meets a closed keep-alive connection is retried once on a fresh one (module docstring).
 
     Args:
         t0: the run's origin (``time.perf_counter``); ``RequestResult.start`` is relative to it.
     """
+    try:
+        return await _send(session, inp, t0, RequestResult())
+    except _StaleConnection:
+        fresh = aiohttp.ClientSession(timeout=session.timeout, connector=aiohttp.TCPConnector(force_close=True))
+        async with fresh:
+            return await _send(fresh, inp, t0, RequestResult(retried=True))
+
+
+async def _send(session: aiohttp.ClientSession, inp: RequestInput, t0: float, res: RequestResult) -> RequestResult:
+    """One attempt of :func:`send_request`; raises _StaleConnection (only) for a closed reused connection."""
     url, body = request_body(inp)
     headers = {"Authorization": f"Bearer {inp.api_key}"} if inp.api_key else {}
-    res = RequestResult()
     times: list[float] = []
     counts: list[int | None] = []
     texts: list[str] = []
     usage: dict[str, Any] | None = None
     start = time.perf_counter()
     res.start = start - t0
+    attempt = SimpleNamespace(reused=None)  # None: unknown (a session without connection_trace())
     try:
-        async with session.post(url, json=body, headers=headers) as resp:
+        try:
+            resp_cm = await session.post(url, json=body, headers=headers, trace_request_ctx=attempt)
+        except aiohttp.ClientConnectorError:
+            raise  # no connection at all (refused, unknown host): not a stale one
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if attempt.reused is not False and not res.retried:
+                raise _StaleConnection from e
+            raise
+        async with resp_cm as resp:
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return res

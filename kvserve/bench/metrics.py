@@ -33,6 +33,11 @@ class SLO:
     ttft_s: float | None = None
     tpot_s: float | None = None
 
+    @property
+    def given(self) -> bool:
+        """Whether any objective was set (without one, no run gets a "meets SLO" verdict)."""
+        return self.ttft_s is not None or self.tpot_s is not None
+
     def request_ok(self, r: RequestResult) -> bool:
         """Whether one request succeeded and met every objective (per request, not a percentile)."""
         if not r.success:

@@ -17,22 +17,23 @@ def _ms(v: float | None) -> str:
 
 
 def point_table(points: list[dict[str, Any]], slo: SLO, title: str = "kvserve bench serve") -> Table:
-    """One row per point: load, throughput, goodput, TTFT/TPOT/ITL percentiles (ms), SLO verdict, load avg."""
+    """One row per point: load, throughput, TTFT/TPOT/ITL percentiles (ms), load avg; with an SLO also goodput,
+    the violation rate and the verdict (without one there is nothing to judge, so those columns are left out)."""
     t = Table(title=title)
-    for col in ("load", "reqs", "ok", "dur s", "req/s", "out tok/s", "goodput req/s", "SLO viol",
-                "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50", "TPOT p95", "TPOT p99", "ITL p50", "ITL p99",
-                "E2E p95", "meets SLO", "load1"):
+    slo_cols = ("goodput req/s", "SLO viol", "meets SLO") if slo.given else ()
+    for col in ("load", "reqs", "ok", "dur s", "req/s", "out tok/s", "TTFT p50", "TTFT p95", "TTFT p99", "TPOT p50",
+                "TPOT p95", "TPOT p99", "ITL p50", "ITL p99", "E2E p95", *slo_cols, "load1"):
         t.add_column(col, justify="right" if col not in ("load", "meets SLO") else "left")
     for p in points:
         s = p["summary"]
+        verdict = (f"{s['goodput']:.2f}", f"{s['slo_violation_rate']:.0%}", "yes" if p["meets_slo"] else "no")
         t.add_row(
             p["label"], str(s["num_requests"]), str(s["completed"]), f"{s['duration_s']:.1f}",
-            f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}", f"{s['goodput']:.2f}",
-            f"{s['slo_violation_rate']:.0%}",
+            f"{s['request_throughput']:.2f}", f"{s['output_throughput']:.1f}",
             _ms(s["ttft_s"]["p50"]), _ms(s["ttft_s"]["p95"]), _ms(s["ttft_s"]["p99"]),
             _ms(s["tpot_s"]["p50"]), _ms(s["tpot_s"]["p95"]), _ms(s["tpot_s"]["p99"]),
             _ms(s["itl_s"]["p50"]), _ms(s["itl_s"]["p99"]), _ms(s["e2e_s"]["p95"]),
-            "yes" if p["meets_slo"] else "no", f"{p['loadavg_before'][0]}->{p['loadavg_after'][0]}",
+            *(verdict if slo.given else ()), f"{p['loadavg_before'][0]}->{p['loadavg_after'][0]}",
         )
     slo_txt = ", ".join(f"{k} ≤ {v * 1000:.0f} ms" for k, v in (("TTFT p95", slo.ttft_s), ("TPOT p95", slo.tpot_s))
                         if v is not None)
@@ -51,14 +52,18 @@ def print_report(result: dict[str, Any], slo: SLO, console: Console | None = Non
     console = console or make_console()
     console.print(point_table(result["points"], slo))
     best = result.get("best")
-    if len(result["points"]) > 1 or slo.ttft_s is not None or slo.tpot_s is not None:
-        if best is None:
-            console.print("[bold red]no point meets the SLOs[/bold red]")
-        else:
+    if not slo.given:
+        if best is not None and len(result["points"]) > 1:
             p = next(q for q in result["points"] if q["label"] == best["label"])
-            console.print(f"[bold green]best point under the SLOs: {best['label']}[/bold green] — "
-                          f"{p['summary']['output_throughput']:.1f} output tok/s, "
-                          f"{p['summary']['request_throughput']:.2f} req/s, goodput {p['summary']['goodput']:.2f}")
+            console.print(f"highest output throughput (no SLO given): {best['label']} — "
+                          f"{p['summary']['output_throughput']:.1f} output tok/s")
+    elif best is None:
+        console.print("[bold red]no point meets the SLOs[/bold red]")
+    else:
+        p = next(q for q in result["points"] if q["label"] == best["label"])
+        console.print(f"[bold green]best point under the SLOs: {best['label']}[/bold green] — "
+                      f"{p['summary']['output_throughput']:.1f} output tok/s, "
+                      f"{p['summary']['request_throughput']:.2f} req/s, goodput {p['summary']['goodput']:.2f}")
 
 
 def plot_sweep(result: dict[str, Any], slo: SLO, path: Path, title: str = "") -> Path:

@@ -21,13 +21,14 @@ import aiohttp
 from tqdm import tqdm
 
 from kvserve.bench import datasets as ds
-from kvserve.bench.client import RequestInput, RequestResult, send_request
+from kvserve.bench.client import RequestInput, RequestResult, connection_trace, send_request
 from kvserve.bench.metrics import SLO, best_point, loadavg, meets_slo, summarize
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """How to talk to the server. ``api``: ``completions`` or ``chat``; ``timeout_s``: per request."""
+    """How to talk to the server. ``api``: ``completions`` or ``chat``; ``timeout_s``: per request; ``endpoint``:
+    the URL path (None: the API's usual one)."""
 
     base_url: str
     model: str
@@ -37,6 +38,7 @@ class ClientConfig:
     logprobs: bool = True
     temperature: float = 0.0
     timeout_s: float = 3600.0
+    endpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ async def _run_session(session: aiohttp.ClientSession, cfg: ClientConfig, req: d
     """All turns of one work item (a single request unless ``req.turns``); stops at the first failed turn."""
     def inp(prompt: str | list[int] | list[dict[str, str]]) -> RequestInput:
         return RequestInput(cfg.api, cfg.base_url, cfg.model, prompt, req.output_len, cfg.ignore_eos, cfg.logprobs,
-                            cfg.temperature, cfg.api_key)
+                            cfg.temperature, cfg.api_key, cfg.endpoint)
 
     results = [await send_request(session, inp(_first_prompt(req, cfg.api)), t0)]
     history: list[tuple[str, str]] = []
@@ -101,7 +103,8 @@ async def run_load(cfg: ClientConfig, requests: list[ds.SampleRequest], load: Lo
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
 
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    traces = [connection_trace()]  # tells send_request whether a connection was reused (keep-alive retry)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trace_configs=traces) as session:
         async def work(req: ds.SampleRequest) -> list[RequestResult]:
             if sem is None:
                 out = await _run_session(session, cfg, req, t0)
@@ -137,7 +140,7 @@ def run_point(cfg: ClientConfig, requests: list[ds.SampleRequest], load: LoadSpe
         "num_prompts": len(requests),
         "loadavg_before": before,
         "loadavg_after": after,
-        "meets_slo": meets_slo(summary, slo),
+        "meets_slo": meets_slo(summary, slo) if slo.given else None,  # no verdict without an SLO
         "summary": summary,
     }
     if keep_requests:

@@ -5,6 +5,10 @@ token_gap_s`` carrying ``tokens_per_chunk`` tokens (and, when the request asks f
 ``send_logprobs`` is set, one logprobs entry per token, as a real server does); then the usage chunk
 (``completion_tokens`` = ``max_tokens``) and ``[DONE]``. Used by tests/bench and tests/cases (BC-24).
 
+``drop_connections``: ``"reused"`` closes a keep-alive connection, without a response, when a second request
+arrives on it (what a client meets when a server such as llama.cpp's closes an idle keep-alive connection
+while the request is on its way); ``"all"`` drops every request so. ``StubStats`` counts both.
+
 It runs in the test's own event loop (no GIL hand-offs between client and server threads).
 """
 
@@ -29,6 +33,15 @@ class StubConfig:
     tokens_per_chunk: int = 1
     send_logprobs: bool = True
     send_usage: bool = True
+    drop_connections: str | None = None  # None | "reused" | "all"
+
+
+@dataclass
+class StubStats:
+    """What the stub saw: requests answered and requests dropped by closing their connection."""
+
+    answered: int = 0
+    dropped: int = 0
 
 
 def _free_port() -> int:
@@ -41,9 +54,20 @@ def _event(obj: Any) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-def _app(cfg: StubConfig) -> web.Application:
+def _app(cfg: StubConfig, stats: StubStats) -> web.Application:
+    seen: set[int] = set()  # id() of every transport that carried a request
+
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        transport = request.transport
+        reused = id(transport) in seen
+        seen.add(id(transport))
+        if transport is not None and not body.get("stub_warmup") and (
+                cfg.drop_connections == "all" or (cfg.drop_connections == "reused" and reused)):
+            stats.dropped += 1
+            transport.close()  # no response byte: the client sees ServerDisconnectedError
+            return web.Response()
+        stats.answered += 1
         chat = request.path.endswith("/chat/completions")
         n = int(body["max_tokens"])
         lp = body.get("logprobs")  # completions: an int (0 counts), chat: a bool
@@ -85,9 +109,9 @@ def _app(cfg: StubConfig) -> web.Application:
 
 
 @asynccontextmanager
-async def stub_server(cfg: StubConfig) -> AsyncIterator[str]:
+async def stub_server(cfg: StubConfig, stats: StubStats | None = None) -> AsyncIterator[str]:
     """Run the stub in the current event loop (after a short warm-up); yields its base URL."""
-    runner = web.AppRunner(_app(cfg), access_log=None)
+    runner = web.AppRunner(_app(cfg, stats or StubStats()), access_log=None)
     await runner.setup()
     port = _free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
