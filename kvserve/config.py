@@ -53,6 +53,8 @@ class EngineConfig:
         swap_space: GiB of host memory for swapped-out KV blocks.
         scheduling_policy: ``fcfs`` | ``priority`` (lower ``priority`` value runs first, as vLLM).
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: no limit), as vLLM.
+        generation_config: default sampling parameters: ``auto`` (the model's generation_config.json, as
+            vLLM), ``vllm`` (none) or a folder with a generation_config.json.
     """
 
     model: str = DEFAULT_MODEL
@@ -78,6 +80,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     swap_space: float = 4.0
     scheduling_policy: str = "fcfs"
+    generation_config: str = "auto"
     max_logprobs: int = 20
 
     def __post_init__(self) -> None:
@@ -145,6 +148,9 @@ class EngineConfig:
         g.add_argument("--preemption-mode", default=d.preemption_mode, choices=["auto", "recompute", "swap"])
         g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of host memory for swapped KV")
         g.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"])
+        g.add_argument("--generation-config", default=d.generation_config,
+                       help="default sampling parameters: auto (the model's generation_config.json), vllm (none) "
+                            "or a folder with a generation_config.json")
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics of a serving engine, named as vLLM's with the prefix ``kvserve:``.
+"""Prometheus metrics of a serving engine, named as vLLM's with the prefix ``kvserve:`` (``--metrics-prefix vllm``
+gives ``vllm:``, so that vLLM's Grafana dashboards work unchanged).
 
 Every metric lives in the registry of one :class:`EngineMetrics` (not the process-global one), so two
 servers in one process, or a test that builds several, never clash. :class:`EngineMetrics` is fed by the
@@ -17,6 +18,13 @@ thread-safe, and the HTTP thread only renders them.
 | ``request_success_total{finished_reason}`` | counter | finished requests (stop, length, abort, error) |
 | ``time_to_first_token_seconds`` ... | histogram | see ``docs/metrics.md`` |
 | ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` | counter | prompt tokens asked / hit, once per request |
+| ``gpu_cache_usage_perc`` | gauge | vLLM's older name of ``kv_cache_usage_perc`` (its dashboard reads it) |
+| ``time_per_output_token_seconds`` | histogram | vLLM's older name of ``inter_token_latency_seconds`` |
+| ``request_prompt_tokens``, ``request_generation_tokens`` | histogram | per finished request |
+| ``request_max_num_generation_tokens`` | histogram | the longest sample of a finished request |
+| ``request_prefill_time_seconds`` | histogram | first scheduled -> first token |
+| ``request_decode_time_seconds`` | histogram | first token -> finish |
+| ``request_inference_time_seconds`` | histogram | first scheduled -> finish |
 
 Gauges are refreshed after every loop iteration, including the ones that only process aborts, so they
 return to 0 as soon as the engine is idle (no stale values after a wave of cancellations).
@@ -31,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from kvserve.core.scheduler import SchedulerStats
 from kvserve.outputs import RequestOutput
 
-PREFIX = "kvserve:"
+PREFIX = "kvserve:"  # the default; ``EngineMetrics(prefix=...)`` changes it
 
 # No ``*_created`` timestamp samples (as vLLM): they double the exposition and no dashboard uses them.
 disable_created_metrics()
@@ -43,6 +51,18 @@ _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
                 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
+
+
+def _1_2_5_buckets(limit: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``limit``. ``100`` -> (1, 2, 5, 10, 20, 50, 100)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
 
 
 @dataclass
@@ -59,34 +79,37 @@ class EngineMetrics:
 
     Args:
         model_name: the served model name (the label value).
+        prefix: the metric name prefix before ``:`` (``kvserve``; ``vllm`` for vLLM's dashboards).
+        max_model_len: the largest bucket of the per-request token histograms.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, prefix: str = "kvserve", max_model_len: int = 131072) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, ["model_name"]
+        pfx = f"{prefix}:"
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+            return Gauge(pfx + name, doc, labels, registry=r).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+            return Counter(pfx + name, doc, labels, registry=r).labels(model_name)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(pfx + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
         self.num_requests_running = gauge("num_requests_running", "Sequences running (in the batch).")
         self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
         self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to the host pool.")
         self.num_partial_prefills = gauge("num_partial_prefills", "Running requests still prefilling their prompt.")
-        self._preemptions = Counter(PREFIX + "num_preemptions", "Preemptions since start, by mode.",
+        self._preemptions = Counter(pfx + "num_preemptions", "Preemptions since start, by mode.",
                                     ["model_name", "mode"], registry=r)
         for mode in ("recompute", "swap"):
             self._preemptions.labels(model_name, mode)
         self.swapped_bytes = counter("swapped_bytes", "KV bytes copied by swap-out and swap-in.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at the first token).")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+        self._success = Counter(pfx + "request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
         for reason in ("stop", "length", "abort", "error"):
@@ -99,6 +122,21 @@ class EngineMetrics:
                                     _REQUEST_BUCKETS)
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # vLLM's older names, still read by its Grafana dashboard.
+        self.gpu_cache_usage_perc = gauge("gpu_cache_usage_perc", "Same as kv_cache_usage_perc (vLLM's older name).")
+        self.tpot = histogram("time_per_output_token_seconds", "Same as inter_token_latency_seconds (older name).",
+                              _ITL_BUCKETS)
+        tokens = _1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.", tokens)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per finished request (all samples).", tokens)
+        self.request_max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Most tokens generated by one sample of a finished request.", tokens)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token (s).",
+                                      _REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish (s).", _REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to finish (s).",
+                                        _REQUEST_BUCKETS)
         self._progress: dict[str, _Progress] = {}
         self._last: SchedulerStats | None = None
 
@@ -124,10 +162,23 @@ class EngineMetrics:
                     self.queue_time.observe(max(scheduled - p.arrival_time, 0.0))
             else:
                 self.itl.observe(now - p.last_token_time)
+                self.tpot.observe(now - p.last_token_time)
             p.num_generated, p.last_token_time = num, now
         if out.finished:
+            self._observe_finished(out, now)
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason == "error"), None)
             self._finish(out.request_id, reason or (out.outputs[0].finish_reason or "stop"), now)
+
+    def _observe_finished(self, out: RequestOutput, now: float) -> None:
+        lengths = [len(c.token_ids) for c in out.outputs]
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(sum(lengths))
+        self.request_max_num_generation_tokens.observe(max(lengths, default=0))
+        scheduled, first = out.metrics.get("first_scheduled_time"), out.metrics.get("first_token_time")
+        if scheduled is not None and first is not None:
+            self.prefill_time.observe(max(first - scheduled, 0.0))
+            self.decode_time.observe(max(now - first, 0.0))
+            self.inference_time.observe(max(now - scheduled, 0.0))
 
     def on_aborted(self, request_id: str, now: float) -> None:
         """A live request was aborted (client gone); finished requests are ignored."""
@@ -144,6 +195,7 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.gpu_cache_usage_perc.set(stats.kv_cache_usage)
         self.num_requests_swapped.set(stats.num_swapped)
         self.num_partial_prefills.set(stats.num_partial_prefills)
         last = self._last

@@ -39,6 +39,13 @@ class SamplingParams:
         logprobs: number of top log-probabilities to return per generated token (None: none).
         prompt_logprobs: number of top log-probabilities per prompt token (None: none).
         skip_special_tokens: drop special tokens when detokenizing.
+        include_stop_str_in_output: keep the matched stop string (or the stop token's text) in the output text.
+        logit_bias: token id -> bias in [-100, 100] added to its logit before sampling (OpenAI's field).
+        allowed_token_ids: only these token ids can be sampled (None: all).
+        bad_words: words that are never generated: a word's last token is banned whenever the output ends
+            with the tokens before it (as vLLM; the word is tried with and without a leading space).
+        bad_words_token_ids: ``bad_words`` as token id sequences, filled in by the engine's tokenizer.
+        truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last ``max_model_len``; None: all).
 
     Raises:
         InvalidRequestError: when a field is out of range; the message and ``param`` name the field.
@@ -61,6 +68,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +106,26 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and 0 <= v <= 20), name, f"must be an integer in [0, 20], got {v!r}")
+        self._check_token_constraints()
+
+    def _check_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
+            _check(all(_is_int(t) and t >= 0 for t in self.logit_bias), "logit_bias",
+                   "keys must be token ids (integers >= 0)")
+            _check(all(_is_num(b) and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
+                   "biases must be numbers in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _check(bool(self.allowed_token_ids) and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", "must be a non-empty list of token ids (integers >= 0)")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+            _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+                   "must be non-empty strings")
+        k = self.truncate_prompt_tokens
+        _check(k is None or (_is_int(k) and (k >= 1 or k == -1)), "truncate_prompt_tokens",
+               f"must be -1 (max_model_len) or an integer >= 1, got {k!r}")
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's generation-config defaults (``generation_config``, as vLLM)."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -41,14 +45,14 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, ``{"prompt_token_ids": [...]}`` or ``{"prompt": ...}``
                 (either dict may carry ``"cache_salt"``: prefix-cache isolation, as vLLM), or a list of these.
-            sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
+            sampling_params: one for all prompts or one per prompt (default: ``get_default_sampling_params()``).
 
         Raises:
             InvalidRequestError: a bad prompt or parameter (nothing is left queued).
         """
         batch = _as_batch(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(batch) if isinstance(sampling_params, SamplingParams) else list(
             sampling_params)
         if len(params) != len(batch):

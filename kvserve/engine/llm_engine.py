@@ -24,11 +24,13 @@ from kvserve.core.block_manager import BlockManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import PerfEstimates, RequestUpdate, Scheduler, SchedulerConfig
 from kvserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.engine.generation_config import load_generation_defaults
 from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.loader import load_weights
 from kvserve.models.registry import ModelArchConfig
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sample.token_constraints import prepare_token_constraints
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.tokenizer.tokenizer import Tokenizer
@@ -149,6 +151,8 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config, self.compute_dtype)
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)
+        # SamplingParams fields a request leaves out take these values (vLLM's --generation-config).
+        self.default_sampling_params = load_generation_defaults(config.generation_config, self.model_path)
         arch, weights = load_weights(self.model_path)
         self.arch = arch
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -260,6 +264,10 @@ class LLMEngine:
         if request_id in self.groups:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", param="request_id")
         text, ids = self._prompt_ids(prompt)
+        params = prepare_token_constraints(params, self.arch.vocab_size, self.tokenizer)
+        if params.truncate_prompt_tokens is not None:  # keep the last k tokens (-1: max_model_len)
+            k = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-k:]
         n = len(ids)
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(

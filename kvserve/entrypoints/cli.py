@@ -2,7 +2,7 @@
 docs/benchmarking.md) and ``plan`` (capacity planner, docs/planner.md).
 
     kvserve generate --model smollm2-135m-instruct --prompt "The capital of France is" --max-tokens 32
-    kvserve serve --model smollm2-135m-instruct --port 8000
+    kvserve serve smollm2-135m-instruct --port 8000
     kvserve bench serve --model smollm2-135m-instruct --dataset sharegpt --sweep 1,4,16 --slo-ttft-p95 2
     kvserve plan --model smollm2-135m-instruct --memory-gib 2
 """
@@ -16,7 +16,7 @@ import sys
 import time
 
 from kvserve.config import EngineConfig
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.sampling_params import SamplingParams
 
 
@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model (as vLLM's `vllm serve MODEL`); same as --model")
     EngineConfig.add_cli_args(serve)
     from kvserve.entrypoints.openai.server import add_server_args
 
@@ -88,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.openai.server import run_server
 
+    if args.model_tag is not None:
+        if args.model not in (args.model_tag, EngineConfig().model):
+            raise InvalidRequestError(f"model: given twice, as {args.model_tag!r} and --model {args.model!r}",
+                                      param="model")
+        args.model = args.model_tag
     return run_server(args)
 
 

@@ -34,7 +34,8 @@ class IncrementalDetokenizer:
 
     Attributes:
         output_text: all text so far; once a stop string matched, it ends right before that match (the
-            stop string itself is not included, as in OpenAI's API and vLLM).
+            stop string itself is not included, as in OpenAI's API and vLLM), or right after it with
+            ``include_stop_str_in_output``.
         output_token_ids: every token id given to :meth:`update` before a stop string matched.
         stop_string: the stop string that matched, or None.
     """
@@ -53,8 +54,10 @@ class IncrementalDetokenizer:
         self._stops: list[str] = list(dict.fromkeys(params.stop))
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         # A stop string can only be completed by text still to come if it began in the last
-        # (max_stop_len - 1) characters, so exactly that much must be held back from the stream.
-        self._hold_back = max(self._max_stop_len - 1, 0)
+        # (max_stop_len - 1) characters, so exactly that much must be held back from the stream; with
+        # include_stop_str_in_output nothing is cut, so nothing is held back (as vLLM).
+        self._include_stop = params.include_stop_str_in_output
+        self._hold_back = 0 if self._include_stop else max(self._max_stop_len - 1, 0)
         self._min_tokens = params.min_tokens
 
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -164,7 +167,7 @@ class IncrementalDetokenizer:
                 best = (start, len(stop), stop)
         if best is None:
             return False
-        self.output_text = text[: best[0]]
+        self.output_text = text[: best[0] + (best[1] if self._include_stop else 0)]
         self.stop_string = best[2]
         return True
 

@@ -33,8 +33,12 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
         """Chat messages -> prompt token ids through the model's own template.
+
+        ``continue_final_message``: end the prompt inside the last (assistant) message, so that the model
+        continues it instead of starting a new turn (transformers' option of the same name).
 
         Raises:
             InvalidRequestError: no messages, a message without ``role``/``content``, or no template.
@@ -46,6 +50,7 @@ class Tokenizer:
                 raise InvalidRequestError(f"messages[{i}]: needs a 'role' and a string 'content'", param="messages")
         if not self.hf.chat_template:
             raise InvalidRequestError("messages: this model has no chat template", param="messages")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message)
         # The template already writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)

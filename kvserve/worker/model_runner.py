@@ -22,6 +22,7 @@ from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
 from kvserve.sample.logits_processor import LogitsProcessors
 from kvserve.sample.sampler import Sampler, SamplingMetadata
+from kvserve.sample.token_constraints import TokenConstraints
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
@@ -93,6 +94,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # Per-request logits edits before sampling (structured output, ...); see sample/logits_processor.py.
         self.logits_processors = LogitsProcessors()
+        self.logits_processors.add(TokenConstraints())  # allowed_token_ids, bad_words, logit_bias: first
         self.generators: dict[str, torch.Generator] = {}
 
     # ---- the step ------------------------------------------------------------------------------
