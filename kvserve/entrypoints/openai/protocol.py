@@ -2,15 +2,15 @@
 
 Every scalar is *strict*: ``"10"`` is not an integer, ``true`` is not a number, ``1.5`` is not an integer,
 NaN and infinities are refused; integers are bounded so that no value can overflow an int64 tensor in the
-engine. Unknown fields are ignored (as vLLM does). A pydantic error becomes a 400 whose ``param`` is the
-field's path (``temperature``, ``messages[0].content``, ``stream_options.include_usage``).
+engine. A field kvserve does not know is a 400 naming it (never silently ignored). A pydantic error becomes a
+400 whose ``param`` is the field's path (``temperature``, ``messages[0].content``, ``stream_options.include_usage``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AllowInfNan, BaseModel, Field, Strict, ValidationError
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams
@@ -30,11 +30,19 @@ Str = Annotated[str, Strict()]
 TokenIds = list[NonNegInt]
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body or part of one: an unknown field is an error naming it (see :func:`validation_error`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM: every chunk carries the usage so far
 
 
-class _SamplingRequest(BaseModel):
+
+class _SamplingRequest(_Body):
     """Fields shared by completions and chat completions (OpenAI's, plus vLLM's extras)."""
 
     model: Str | None = None
@@ -57,13 +65,15 @@ class _SamplingRequest(BaseModel):
     user: Str | None = None
     priority: Int = 0
     cache_salt: Str | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Float] | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[Str] | None = None
+    include_stop_str_in_output: Bool = False
+    truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=-1, le=_I64_MAX)] | None = None
     response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         """Raises InvalidRequestError for fields kvserve accepts but cannot honour."""
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias: not supported", param="logit_bias")
         if self.response_format and self.response_format.get("type") != "text":
             raise InvalidRequestError("response_format: only {'type': 'text'} is supported", param="response_format")
         if self.stream_options is not None and not self.stream:
@@ -71,20 +81,48 @@ class _SamplingRequest(BaseModel):
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidRequestError("cache_salt: must be a non-empty string", param="cache_salt")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's parameters; ``max_tokens`` None means until ``max_model_len``.
+
+        Args:
+            defaults: SamplingParams values for the fields this request did not set (the model's
+                generation config, ``--generation-config``); ``max_tokens`` among them applies when the
+                request set neither ``max_tokens`` nor ``max_completion_tokens``.
 
         Raises:
             InvalidRequestError: a value out of range (``param`` names it).
         """
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
+        values: dict[str, Any] = dict(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
+        given = self.model_fields_set
+        for name, value in (defaults or {}).items():
+            unset = not ({"max_tokens", "max_completion_tokens"} & given) if name == "max_tokens" else name not in given
+            if unset:
+                values[name] = value
+        return SamplingParams(**values)
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its JSON keys as token ids.
+
+        Raises:
+            InvalidRequestError: a key that is not a non-negative integer.
+        """
+        if self.logit_bias is None:
+            return None
+        bad = next((k for k in self.logit_bias if not (k.isascii() and k.isdigit() and len(k) <= 18)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias: keys must be token ids, got {bad!r}", param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
+
 
     @property
     def include_usage(self) -> bool:
@@ -136,12 +174,12 @@ class CompletionRequest(_SamplingRequest):
         return items
 
 
-class TextPart(BaseModel):
+class TextPart(_Body):
     type: Literal["text"]
     text: Str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: Str | list[TextPart] | None = None
     name: Str | None = None
@@ -163,6 +201,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Bool = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    echo: Bool = False
     tools: list[Any] | None = None
 
     def check_unsupported(self) -> None:
@@ -173,6 +213,19 @@ class ChatCompletionRequest(_SamplingRequest):
             raise InvalidRequestError("tools: tool calling is not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs=true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message: cannot be combined with add_generation_prompt=true "
+                                      "(send add_generation_prompt: false)", param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError("continue_final_message: the last message must be an assistant message",
+                                      param="continue_final_message")
+
+    @property
+    def echo_text(self) -> str:
+        """vLLM's chat ``echo``: the last message's text when it is the assistant's (the reply continues it)."""
+        last = self.messages[-1] if self.messages else None
+        return last.text() if self.echo and last is not None and last.role == "assistant" else ""
+
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -186,7 +239,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """``POST /tokenize``: ``prompt`` or ``messages`` (through the chat template)."""
 
     model: Str | None = None
@@ -196,7 +249,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: Bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model: Str | None = None
     tokens: TokenIds
 
@@ -232,6 +285,12 @@ def validation_error(e: ValidationError) -> InvalidRequestError:
     param = error_param(tuple(err["loc"]))
     value = err.get("input")
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    missing = err["type"] == "missing"
-    message = f"{param}: field required" if missing else f"{param}: {err['msg'].lower()}, got {shown}"
+    if err["type"] == "extra_forbidden":  # the unknown name itself, even when it is not an identifier
+        parent, name = error_param(tuple(err["loc"][:-1])), str(err["loc"][-1])
+        param = f"{parent}.{name}" if parent else name
+        message = f"{param}: unsupported field (kvserve does not implement it; see docs/parameters.md)"
+    elif err["type"] == "missing":
+        message = f"{param}: field required"
+    else:
+        message = f"{param}: {err['msg'].lower()}, got {shown}"
     return InvalidRequestError(message, param=param or None)

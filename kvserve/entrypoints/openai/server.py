@@ -1,13 +1,13 @@
 """The OpenAI-compatible server: FastAPI routes over an :class:`AsyncLLM`, run by uvicorn.
 
-    kvserve serve --model smollm2-135m-instruct --port 8000 [--api-key KEY] [engine flags]
+    kvserve serve smollm2-135m-instruct --port 8000 [--api-key KEY] [--chat-template FILE] [engine flags]
 
 | route | what |
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | OpenAI's APIs, streamed (SSE) or not |
 | ``GET /v1/models`` | the served model |
 | ``GET /health`` | 200, or 503 once the engine loop died |
-| ``GET /version``, ``GET /metrics`` | version; Prometheus metrics (``kvserve:*``) |
+| ``GET /version``, ``GET /metrics`` | version; Prometheus metrics (``kvserve:*``, ``--metrics-prefix``) |
 | ``POST /tokenize``, ``POST /detokenize`` | the server's tokenizer (vLLM's shapes) |
 
 Every error is OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``. ``--api-key`` guards
@@ -18,14 +18,17 @@ models of ``protocol.py``, so a malformed request is a 4xx naming the field, nev
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
+import json
 import logging
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -46,6 +49,7 @@ from kvserve.entrypoints.openai.serving import ServerContext
 from kvserve.entrypoints.openai.serving_chat import create_chat_completion
 from kvserve.entrypoints.openai.serving_completion import create_completion
 from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.metrics import EngineMetrics
 from kvserve.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -67,8 +71,12 @@ async def _parse(ctx: ServerContext, raw: Request, model: type[M]) -> M:
         raise validation_error(e) from None
 
 
-def build_app(ctx: ServerContext) -> FastAPI:
-    """The FastAPI app; its lifespan starts and stops ``ctx.llm``."""
+def build_app(ctx: ServerContext, cors: dict[str, Any] | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops ``ctx.llm``.
+
+    Args:
+        cors: keyword arguments of Starlette's ``CORSMiddleware`` (``allow_origins``, ...); None: no CORS headers.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,6 +88,8 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
 
     @app.exception_handler(KVServeError)
     async def _kvserve_error(raw: Request, e: Exception) -> Response:
@@ -173,6 +183,55 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument("--max-request-body-mib", type=float, default=8.0, help="largest request body accepted (MiB)")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template replacing the model's: a file path or the template itself")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, JSON (default ["*"])')
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS methods, JSON (default ["*"])')
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS headers, JSON (default ["*"])')
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--disable-log-requests", action="store_true", help="do not log each request's prompt and params")
+    g.add_argument("--max-log-len", type=int, default=None, help="characters of a prompt shown in the request log")
+    g.add_argument("--metrics-prefix", default="kvserve", choices=["kvserve", "vllm"],
+                   help="metric names kvserve:* or vllm:* (vLLM's Grafana dashboards read vllm:*)")
+
+
+def _json_list(text: str) -> list[str]:
+    """A CORS flag value: a JSON list of strings (as vLLM), or one bare value (``*``, ``http://a.com``)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return [text]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: the file's text when ``value`` is a readable file, else ``value`` itself as a template
+    (with ``\\n`` escapes decoded, as vLLM). The template must parse as Jinja.
+
+    Raises:
+        InvalidRequestError: a value that looks like a path (no ``{``, ``}`` or newline) but cannot be read, or
+            a template that does not parse (``param`` is ``chat_template``).
+    """
+    import jinja2
+
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise InvalidRequestError(f"chat_template: {value!r} looks like a file path but cannot be read: {e}",
+                                      param="chat_template") from None
+        # backslashreplace first, so that non-Latin-1 characters survive the escape decoding
+        template = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequestError(f"chat_template: not a valid Jinja template: {e}", param="chat_template") from None
+    return template
+
+
 
 
 def build_context(args: argparse.Namespace) -> ServerContext:
@@ -187,15 +246,20 @@ def build_context(args: argparse.Namespace) -> ServerContext:
     engine = LLMEngine(config)
     name = config.served_model_name or config.model
     tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_path(engine.model_path)
+    if tokenizer is not None and args.chat_template is not None:
+        tokenizer.hf.chat_template = load_chat_template(args.chat_template)
     limit = args.max_waiting_requests if args.max_waiting_requests > 0 else None
-    llm = AsyncLLM(engine, max_waiting_requests=limit)
+    metrics = EngineMetrics(name, prefix=args.metrics_prefix, max_model_len=engine.max_model_len)
+    llm = AsyncLLM(engine, metrics=metrics, max_waiting_requests=limit)
     print(f"[kvserve] serving {name!r} ({config.model}) on {engine.device}, dtype {engine.dtype}, "
           f"max_model_len {engine.max_model_len}, {engine.num_blocks} KV blocks of {config.block_size} tokens "
           f"({engine.kv_cache_capacity_tokens} tokens): max concurrency {engine.max_concurrency():.2f} requests "
           f"of {engine.max_model_len} tokens", file=sys.stderr, flush=True)
     return ServerContext(llm=llm, tokenizer=tokenizer, served_model_name=name,
                          model_aliases=frozenset({name, config.model}), max_model_len=engine.max_model_len,
-                         api_key=args.api_key, max_body_bytes=int(args.max_request_body_mib * 2**20))
+                         api_key=args.api_key, max_body_bytes=int(args.max_request_body_mib * 2**20),
+                         sampling_defaults=dict(engine.default_sampling_params),
+                         log_requests=not args.disable_log_requests, max_log_len=args.max_log_len)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -204,8 +268,11 @@ def run_server(args: argparse.Namespace) -> int:
 
     if args.max_waiting_requests < 0:
         raise InvalidRequestError("max_waiting_requests: must be >= 0", param="max_waiting_requests")
+    if args.chat_template is not None:
+        load_chat_template(args.chat_template)  # a bad template fails before the model loads
     ctx = build_context(args)
-    app = build_app(ctx)
+    app = build_app(ctx, cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+                               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials})
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=10)
     uvicorn.Server(config).run()

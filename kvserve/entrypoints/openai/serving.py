@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -23,6 +24,8 @@ from kvserve.errors import InvalidRequestError, KVServeError, ModelNotFoundError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvserve.requests")
 
 
 class AuthenticationError(KVServeError):
@@ -56,6 +59,9 @@ class ServerContext:
         max_model_len: longest prompt + output in tokens.
         api_key: required bearer token for ``/v1/*`` (None: no auth).
         max_body_bytes: largest request body accepted.
+        sampling_defaults: SamplingParams values for fields a request leaves out (``--generation-config``).
+        log_requests: log every request's prompt and parameters at INFO (off: ``--disable-log-requests``).
+        max_log_len: characters of a prompt shown in that log (None: all).
     """
 
     llm: AsyncLLM
@@ -65,6 +71,9 @@ class ServerContext:
     max_model_len: int
     api_key: str | None = None
     max_body_bytes: int = 8 * 2**20
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    log_requests: bool = True
+    max_log_len: int | None = None
     _token_text: dict[int, str] = field(default_factory=dict)
 
     # ---- checks --------------------------------------------------------------------------------
@@ -124,7 +133,8 @@ class ServerContext:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return None, prompt
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                            continue_final_message: bool = False) -> list[int]:
         """Messages -> prompt token ids through the model's chat template.
 
         Raises:
@@ -135,11 +145,33 @@ class ServerContext:
             raise InvalidRequestError("messages: chat needs a tokenizer (--skip-tokenizer-init is set)",
                                       param="messages")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message)
         except KVServeError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors from the model's own template
             raise InvalidRequestError(f"messages: the chat template refused them: {e}", param="messages") from None
+
+    def truncate(self, ids: list[int], truncate_prompt_tokens: int | None, what: str = "prompt") -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last k prompt tokens (-1: the last ``max_model_len``).
+
+        Raises:
+            InvalidRequestError: k > ``max_model_len``.
+        """
+        k = truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k > self.max_model_len:
+            raise InvalidRequestError(f"truncate_prompt_tokens: {k} is more than max_model_len ({self.max_model_len})",
+                                      param="truncate_prompt_tokens")
+        return ids[-(self.max_model_len if k == -1 else k):]
+
+    def log_request(self, request_id: str, prompts: Sequence[str | list[int]], params: SamplingParams) -> None:
+        """vLLM's request log line (unless ``--disable-log-requests``); prompts cut to ``max_log_len``."""
+        if not self.log_requests:
+            return
+        shown = [p[:self.max_log_len] if self.max_log_len is not None else p for p in prompts]
+        logger.info("Received request %s: prompt: %r, params: %s", request_id, shown[0] if len(shown) == 1 else shown,
+                    params)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, what: str = "prompt") -> None:
         """vLLM's rule: prompt + max_tokens must fit ``max_model_len`` (400 stating the numbers).
@@ -209,6 +241,12 @@ def sse(obj: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """vLLM's ``continuous_usage_stats`` usage of a stream chunk: the tokens so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

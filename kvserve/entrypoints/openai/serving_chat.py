@@ -25,6 +25,7 @@ from kvserve.entrypoints.openai.serving import (
     merged,
     new_id,
     now_s,
+    running_usage,
     sse,
     unless_disconnected,
     usage,
@@ -39,20 +40,23 @@ async def create_chat_completion(ctx: ServerContext, raw: Request, req: ChatComp
     """Run a chat request; raises KVServeError subclasses for every 4xx."""
     req.check_unsupported()
     ctx.check_model(req.model)
-    ids = ctx.apply_chat_template(req.template_messages(), req.add_generation_prompt)
+    ids = ctx.apply_chat_template(req.template_messages(), req.add_generation_prompt, req.continue_final_message)
+    ids = ctx.truncate(ids, req.truncate_prompt_tokens)
     max_tokens = req.effective_max_tokens
     ctx.check_length(len(ids), max_tokens, what="messages")
-    params = req.sampling_params(max_tokens, req.num_logprobs)
+    params = req.sampling_params(max_tokens, req.num_logprobs, ctx.sampling_defaults)
     request_id = new_id("chatcmpl")
+    ctx.log_request(request_id, [ids], params)
     streams = await ctx.submit([ids], params, request_id, req.priority, req.cache_salt)
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, request_id, streams[0]), media_type="text/event-stream")
+        return StreamingResponse(_stream(ctx, req, request_id, streams[0], len(ids)),
+                                 media_type="text/event-stream")
     outs = await unless_disconnected(raw, final_outputs(streams))
     if outs is None:
         return Response(status_code=_CLIENT_CLOSED)
     out = outs[0]
     check_failed(out)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": req.echo_text + c.text},
                 "logprobs": _logprobs(ctx, c, 0) if req.logprobs else None,
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
     return JSONResponse({
@@ -74,14 +78,20 @@ def _logprobs(ctx: ServerContext, c: CompletionOutput, start: int) -> dict[str, 
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
-                  stream: RequestStream) -> AsyncIterator[str]:
+                  stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
     n = req.n
     text_len, num_lps, done = [0] * n, [0] * n, [False] * n
+    continuous = req.include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far, the opening ones too
+    opening = {"usage": running_usage(num_prompt_tokens, 0)} if continuous else {}
     final: RequestOutput | None = None
     try:
         yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None} for i in range(n)]})
+                                        "finish_reason": None} for i in range(n)], **opening})
+        if req.echo_text:  # vLLM's chat echo: the continued message first
+            yield sse({**head, "choices": [{"index": i, "delta": {"content": req.echo_text}, "logprobs": None,
+                                            "finish_reason": None} for i in range(n)], **opening})
         async with contextlib.aclosing(merged([stream])) as outputs:
             async for _, out in outputs:
                 check_failed(out)
@@ -101,7 +111,11 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
                         choices.append({"index": k, "delta": {"content": delta} if delta else {}, "logprobs": lps,
                                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
-                    yield sse({**head, "choices": choices})
+                    extra: dict[str, Any] = {}
+                    if continuous:
+                        extra = {"usage": running_usage(len(out.prompt_token_ids),
+                                                        sum(len(c.token_ids) for c in out.outputs))}
+                    yield sse({**head, "choices": choices, **extra})
                 if out.finished:
                     final = out
         if req.include_usage and final is not None:

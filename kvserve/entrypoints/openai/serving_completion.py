@@ -26,6 +26,7 @@ from kvserve.entrypoints.openai.serving import (
     merged,
     new_id,
     now_s,
+    running_usage,
     sse,
     unless_disconnected,
     usage,
@@ -51,11 +52,15 @@ async def create_completion(ctx: ServerContext, raw: Request, req: CompletionReq
     """Run a completion request; raises KVServeError subclasses for every 4xx."""
     req.check_unsupported()
     ctx.check_model(req.model)
-    encoded = [ctx.encode(p) for p in req.prompts()]
+    encoded = []
+    for text, ids in (ctx.encode(p) for p in req.prompts()):
+        kept = ctx.truncate(ids, req.truncate_prompt_tokens)
+        encoded.append((text if len(kept) == len(ids) else None, kept))  # a cut prompt echoes its tokens
     for _, ids in encoded:
         ctx.check_length(len(ids), req.max_tokens)
-    params = req.sampling_params(req.max_tokens, req.logprobs)
+    params = req.sampling_params(req.max_tokens, req.logprobs, ctx.sampling_defaults)
     request_id = new_id("cmpl")
+    ctx.log_request(request_id, [text if text is not None else ids for text, ids in encoded], params)
     streams = await ctx.submit([ids for _, ids in encoded], params, request_id, req.priority, req.cache_salt)
     echoes = [(text if text is not None else ctx.decode(ids)) if req.echo else "" for text, ids in encoded]
     num_prompt_tokens = sum(len(ids) for _, ids in encoded)
@@ -103,14 +108,18 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, s
     sent = [_Sent() for _ in range(len(streams) * n)]
     finals: dict[int, RequestOutput] = {}
     head = {"id": request_id, "object": "text_completion", "created": created, "model": ctx.served_model_name}
+    continuous = req.include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
+    generated = [0] * len(streams)  # tokens so far per prompt (continuous_usage_stats)
     try:
         async with contextlib.aclosing(merged(streams)) as outputs:
             async for i, out in outputs:
                 check_failed(out)
                 choices = [ch for c in out.outputs if (ch := _delta(ctx, req, sent[i * n + c.index], c,
                                                                     i * n + c.index, echoes[i])) is not None]
+                generated[i] = sum(len(c.token_ids) for c in out.outputs)
                 if choices:
-                    yield sse({**head, "choices": choices})
+                    extra = {"usage": running_usage(num_prompt_tokens, sum(generated))} if continuous else {}
+                    yield sse({**head, "choices": choices, **extra})
                 if out.finished:
                     finals[i] = out
         if req.include_usage:
