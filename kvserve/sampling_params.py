@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequestError
+from kvserve.structured.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 
@@ -46,6 +47,7 @@ class SamplingParams:
             with the tokens before it (as vLLM; the word is tried with and without a leading space).
         bad_words_token_ids: ``bad_words`` as token id sequences, filled in by the engine's tokenizer.
         truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last ``max_model_len``; None: all).
+        structured_outputs: the output must match this JSON schema / regex / choice / grammar (xgrammar).
 
     Raises:
         InvalidRequestError: when a field is out of range; the message and ``param`` name the field.
@@ -74,6 +76,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +110,8 @@ class SamplingParams:
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and 0 <= v <= 20), name, f"must be an integer in [0, 20], got {v!r}")
         self._check_token_constraints()
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
 
     def _check_token_constraints(self) -> None:
         if self.logit_bias is not None:

@@ -32,6 +32,8 @@ from kvserve.models.registry import ModelArchConfig
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sample.token_constraints import prepare_token_constraints
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.backend import StructuredOutputBackend
+from kvserve.structured.processor import StructuredOutputProcessor
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.tokenizer.tokenizer import Tokenizer
 from kvserve.worker.kv_cache import GiB, block_bytes, num_blocks_for_budget, num_host_blocks_for
@@ -186,6 +188,11 @@ class LLMEngine:
             self.block_manager)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, num_host_blocks,
                                   kv_dtype=self.kv_dtype)
+        # Structured output (xgrammar): grammars compile on first use, cached per schema (shared with the server).
+        self.structured_outputs: StructuredOutputBackend | None = None
+        if self.tokenizer is not None:
+            self.structured_outputs = StructuredOutputBackend(self.tokenizer.hf, arch.vocab_size, self.eos_token_id)
+            self.runner.logits_processors.add(StructuredOutputProcessor(self.structured_outputs))
         self.perf: PerfEstimates = self.scheduler.perf
         if config.preemption_mode == "auto" and num_host_blocks > 0:
             # The cost model's two speeds, measured here and then updated by every step (EMA).
@@ -256,7 +263,7 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: empty or malformed prompt, token ids out of range, stop strings without
-                a tokenizer.
+                a tokenizer, a structured-output constraint that does not compile.
             PromptTooLongError: the prompt leaves no room for one output token within ``max_model_len``,
                 or needs more KV blocks than the whole cache has.
         """
@@ -265,6 +272,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", param="request_id")
         text, ids = self._prompt_ids(prompt)
         params = prepare_token_constraints(params, self.arch.vocab_size, self.tokenizer)
+        if params.structured_outputs is not None:  # compiles (or finds in the cache); 400 when invalid
+            if self.structured_outputs is None:
+                raise InvalidRequestError(f"{params.structured_outputs.field}: needs a tokenizer "
+                                          "(skip_tokenizer_init is set)", param=params.structured_outputs.field)
+            self.structured_outputs.compile(params.structured_outputs)
         if params.truncate_prompt_tokens is not None:  # keep the last k tokens (-1: max_model_len)
             k = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             ids = ids[-k:]

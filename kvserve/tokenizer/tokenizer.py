@@ -34,8 +34,11 @@ class Tokenizer:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Chat messages -> prompt token ids through the model's own template.
+
+        ``tools``: OpenAI-shaped tool definitions, rendered by templates that support them (Qwen2.5's, Hermes').
 
         ``continue_final_message``: end the prompt inside the last (assistant) message, so that the model
         continues it instead of starting a new turn (transformers' option of the same name).
@@ -51,6 +54,6 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise InvalidRequestError("messages: this model has no chat template", param="messages")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message)
+                                           continue_final_message=continue_final_message, tools=tools)
         # The template already writes any BOS it wants.
         return self.encode(text, add_special_tokens=False)

@@ -234,7 +234,7 @@ MALFORMED: list[tuple[str, Any, int, str | None]] = [
     (C, {"suffix": "x"}, 400, "suffix"),
     (C, {"logit_bias": {"5": 101}}, 400, "logit_bias"),
     (C, {"logit_bias": {"x": 1}}, 400, "logit_bias"),
-    (C, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    (C, {"response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
     (C, {"prompt": ""}, 400, "prompt"),
     (C, {"prompt": []}, 400, "prompt"),
     (C, {"prompt": [""]}, 400, "prompt"),

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, ValidationError
 
+from kvserve.entrypoints.openai.structured import StructuredOutputFields
+from kvserve.entrypoints.openai.tool_calls import ChatTool, ToolCallIn, ToolChoice, template_message
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling_params import SamplingParams
 
@@ -42,7 +44,7 @@ class StreamOptions(_Body):
 
 
 
-class _SamplingRequest(_Body):
+class _SamplingRequest(StructuredOutputFields, _Body):
     """Fields shared by completions and chat completions (OpenAI's, plus vLLM's extras)."""
 
     model: Str | None = None
@@ -70,12 +72,9 @@ class _SamplingRequest(_Body):
     bad_words: list[Str] | None = None
     include_stop_str_in_output: Bool = False
     truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=-1, le=_I64_MAX)] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         """Raises InvalidRequestError for fields kvserve accepts but cannot honour."""
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequestError("response_format: only {'type': 'text'} is supported", param="response_format")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options: only allowed with stream=true", param="stream_options")
         if self.cache_salt is not None and not self.cache_salt:
@@ -102,7 +101,8 @@ class _SamplingRequest(_Body):
             stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.structured_outputs_params())
         given = self.model_fields_set
         for name, value in (defaults or {}).items():
             unset = not ({"max_tokens", "max_completion_tokens"} & given) if name == "max_tokens" else name not in given
@@ -180,9 +180,11 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Str | list[TextPart] | None = None
     name: Str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages (OpenAI's shape)
+    tool_call_id: Str | None = None  # tool messages
 
     def text(self) -> str:
         if self.content is None:
@@ -203,14 +205,14 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     echo: Bool = False
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Bool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if not self.messages:
             raise InvalidRequestError("messages: must be a non-empty list", param="messages")
-        if self.tools:
-            raise InvalidRequestError("tools: tool calling is not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs=true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -236,7 +238,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages for the chat template (tool calls' arguments parsed into objects, as vLLM)."""
+        return [template_message(i, m.role, m.text(), m.tool_calls, m.tool_call_id, m.name)
+                for i, m in enumerate(self.messages)]
 
 
 class TokenizeRequest(_Body):

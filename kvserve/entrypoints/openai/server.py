@@ -48,6 +48,7 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.serving import ServerContext
 from kvserve.entrypoints.openai.serving_chat import create_chat_completion
 from kvserve.entrypoints.openai.serving_completion import create_completion
+from kvserve.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.metrics import EngineMetrics
 from kvserve.tokenizer.tokenizer import Tokenizer
@@ -191,6 +192,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     g.add_argument("--disable-log-requests", action="store_true", help="do not log each request's prompt and params")
     g.add_argument("--max-log-len", type=int, default=None, help="characters of a prompt shown in the request log")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides to call tools (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="how tool calls are read from the output (hermes: <tool_call>{json}</tool_call>, Qwen2.5)")
     g.add_argument("--metrics-prefix", default="kvserve", choices=["kvserve", "vllm"],
                    help="metric names kvserve:* or vllm:* (vLLM's Grafana dashboards read vllm:*)")
 
@@ -259,7 +264,8 @@ def build_context(args: argparse.Namespace) -> ServerContext:
                          model_aliases=frozenset({name, config.model}), max_model_len=engine.max_model_len,
                          api_key=args.api_key, max_body_bytes=int(args.max_request_body_mib * 2**20),
                          sampling_defaults=dict(engine.default_sampling_params),
-                         log_requests=not args.disable_log_requests, max_log_len=args.max_log_len)
+                         log_requests=not args.disable_log_requests, max_log_len=args.max_log_len,
+                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -270,6 +276,9 @@ def run_server(args: argparse.Namespace) -> int:
         raise InvalidRequestError("max_waiting_requests: must be >= 0", param="max_waiting_requests")
     if args.chat_template is not None:
         load_chat_template(args.chat_template)  # a bad template fails before the model loads
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InvalidRequestError("enable_auto_tool_choice: --enable-auto-tool-choice requires --tool-call-parser",
+                                  param="tool_call_parser")
     ctx = build_context(args)
     app = build_app(ctx, cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                                "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials})

@@ -62,6 +62,8 @@ class ServerContext:
         sampling_defaults: SamplingParams values for fields a request leaves out (``--generation-config``).
         log_requests: log every request's prompt and parameters at INFO (off: ``--disable-log-requests``).
         max_log_len: characters of a prompt shown in that log (None: all).
+        tool_call_parser: the parser of ``tool_choice: auto`` outputs (``--tool-call-parser`` with
+            ``--enable-auto-tool-choice``); None: ``auto`` is refused (400), as vLLM.
     """
 
     llm: AsyncLLM
@@ -74,6 +76,7 @@ class ServerContext:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     log_requests: bool = True
     max_log_len: int | None = None
+    tool_call_parser: str | None = None
     _token_text: dict[int, str] = field(default_factory=dict)
 
     # ---- checks --------------------------------------------------------------------------------
@@ -134,7 +137,8 @@ class ServerContext:
         return None, prompt
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Messages -> prompt token ids through the model's chat template.
 
         Raises:
@@ -145,7 +149,7 @@ class ServerContext:
             raise InvalidRequestError("messages: chat needs a tokenizer (--skip-tokenizer-init is set)",
                                       param="messages")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message, tools)
         except KVServeError:
             raise
         except Exception as e:  # noqa: BLE001 - jinja errors from the model's own template

@@ -30,6 +30,8 @@ from kvserve.entrypoints.openai.serving import (
     unless_disconnected,
     usage,
 )
+from kvserve.entrypoints.openai.structured import check_compiles
+from kvserve.entrypoints.openai.tool_calls import ToolCallPlan, assistant_message, with_tool_constraint
 from kvserve.errors import KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 
@@ -40,25 +42,32 @@ async def create_chat_completion(ctx: ServerContext, raw: Request, req: ChatComp
     """Run a chat request; raises KVServeError subclasses for every 4xx."""
     req.check_unsupported()
     ctx.check_model(req.model)
-    ids = ctx.apply_chat_template(req.template_messages(), req.add_generation_prompt, req.continue_final_message)
+    plan = ToolCallPlan(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_call_parser)
+    ids = ctx.apply_chat_template(req.template_messages(), req.add_generation_prompt, req.continue_final_message,
+                                  plan.template_tools())
     ids = ctx.truncate(ids, req.truncate_prompt_tokens)
     max_tokens = req.effective_max_tokens
     ctx.check_length(len(ids), max_tokens, what="messages")
     params = req.sampling_params(max_tokens, req.num_logprobs, ctx.sampling_defaults)
+    params = with_tool_constraint(params, plan)
+    await check_compiles(ctx.llm.engine.structured_outputs, params.structured_outputs)
     request_id = new_id("chatcmpl")
     ctx.log_request(request_id, [ids], params)
     streams = await ctx.submit([ids], params, request_id, req.priority, req.cache_salt)
     if req.stream:
-        return StreamingResponse(_stream(ctx, req, request_id, streams[0], len(ids)),
+        return StreamingResponse(_stream(ctx, req, plan, request_id, streams[0], len(ids)),
                                  media_type="text/event-stream")
     outs = await unless_disconnected(raw, final_outputs(streams))
     if outs is None:
         return Response(status_code=_CLIENT_CLOSED)
     out = outs[0]
     check_failed(out)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": req.echo_text + c.text},
-                "logprobs": _logprobs(ctx, c, 0) if req.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    choices = []
+    for c in out.outputs:
+        message, finish_reason = assistant_message(plan, req.echo_text + c.text, c.finish_reason)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": _logprobs(ctx, c, 0) if req.logprobs else None,
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({
         "id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.served_model_name,
         "choices": choices, "usage": _usage(out)})
@@ -77,11 +86,12 @@ def _logprobs(ctx: ServerContext, c: CompletionOutput, start: int) -> dict[str, 
     return {"content": content}
 
 
-async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: str,
+async def _stream(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolCallPlan, request_id: str,
                   stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[str]:
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
     n = req.n
     text_len, num_lps, done = [0] * n, [0] * n, [False] * n
+    streamers = [plan.streamer() for _ in range(n)]  # content and tool_calls deltas per choice
     continuous = req.include_usage and req.stream_options is not None and req.stream_options.continuous_usage_stats
     # vLLM's continuous_usage_stats: every chunk carries the usage so far, the opening ones too
     opening = {"usage": running_usage(num_prompt_tokens, 0)} if continuous else {}
@@ -107,9 +117,11 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, request_id: st
                         lps = _logprobs(ctx, c, num_lps[k])
                         num_lps[k] = len(c.logprobs)
                     done[k] = c.finish_reason is not None
-                    if delta or lps is not None or done[k]:
-                        choices.append({"index": k, "delta": {"content": delta} if delta else {}, "logprobs": lps,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    fields = streamers[k].feed(delta, done[k])
+                    if fields or lps is not None or done[k]:
+                        finish_reason = plan.finish_reason(c.finish_reason, streamers[k].num_calls)
+                        choices.append({"index": k, "delta": fields, "logprobs": lps,
+                                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
                 if choices:
                     extra: dict[str, Any] = {}
                     if continuous:

@@ -31,6 +31,7 @@ from kvserve.entrypoints.openai.serving import (
     unless_disconnected,
     usage,
 )
+from kvserve.entrypoints.openai.structured import check_compiles
 from kvserve.errors import KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 
@@ -59,6 +60,7 @@ async def create_completion(ctx: ServerContext, raw: Request, req: CompletionReq
     for _, ids in encoded:
         ctx.check_length(len(ids), req.max_tokens)
     params = req.sampling_params(req.max_tokens, req.logprobs, ctx.sampling_defaults)
+    await check_compiles(ctx.llm.engine.structured_outputs, params.structured_outputs)
     request_id = new_id("cmpl")
     ctx.log_request(request_id, [text if text is not None else ids for text, ids in encoded], params)
     streams = await ctx.submit([ids for _, ids in encoded], params, request_id, req.priority, req.cache_salt)

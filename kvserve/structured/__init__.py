@@ -1,0 +1,1 @@
+"""Structured output: constrain generated text to a JSON schema, a regex, a choice or a grammar (xgrammar)."""
