@@ -8,6 +8,26 @@ from kvserve.core.scheduler_output import TokenLogprobs
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural log of the token's probability under the model (raw logits, no sampling knobs).
+        rank: 1 + the number of tokens strictly more likely.
+        decoded_token: the token's text alone (None without a tokenizer).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's ``PromptLogprobs``: one entry per prompt token, None for the first (nothing predicts it), else
+# token id -> Logprob for the prompt's own token (first) and the top-N alternatives.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence.
 
@@ -36,6 +56,7 @@ class RequestOutput:
     """The state of one request after a step.
 
     Attributes:
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, filled once the prompt is computed.
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timestamps in ``time.monotonic()`` seconds (arrival, first_token, finished).
     """
@@ -45,7 +66,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)

@@ -36,9 +36,13 @@ class SamplingParams:
         min_tokens: EOS and stop token ids are ignored until this many tokens were generated.
         ignore_eos: keep generating after EOS.
         stop: strings that end generation; the matched string is not included in the output text.
-        stop_token_ids: token ids that end generation (the token is kept in ``token_ids``).
-        logprobs: number of top log-probabilities to return per generated token (None: none).
-        prompt_logprobs: number of top log-probabilities per prompt token (None: none).
+        stop_token_ids: token ids that end generation (the token is kept in ``token_ids``; its text is
+            left out of ``text`` unless ``include_stop_str_in_output``, as vLLM).
+        logprobs: number of top log-probabilities to return per generated token (None: none; -1: the whole
+            vocabulary). The engine refuses more than its ``max_logprobs``.
+        prompt_logprobs: number of top log-probabilities per prompt token (None: none; -1: the whole
+            vocabulary); ``RequestOutput.prompt_logprobs`` then has one entry per prompt token (None for
+            the first). A request with prompt logprobs does not look up the prefix cache (as vLLM).
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the matched stop string (or the stop token's text) in the output text.
         logit_bias: token id -> bias in [-100, 100] added to its logit before sampling (OpenAI's field).
@@ -108,7 +112,7 @@ class SamplingParams:
                "must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _check(v is None or (_is_int(v) and 0 <= v <= 20), name, f"must be an integer in [0, 20], got {v!r}")
+            _check(v is None or (_is_int(v) and v >= -1), name, f"must be an integer >= 0 or -1 (all), got {v!r}")
         self._check_token_constraints()
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams")

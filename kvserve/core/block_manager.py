@@ -110,9 +110,11 @@ class BlockManager:
         """The longest run of cached blocks that starts the request's tokens (changes nothing).
 
         At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed, so that
-        there are logits to sample from. Empty when caching is off.
+        there are logits to sample from. Empty when caching is off, and for a request that asks for prompt
+        logprobs (as vLLM): a cached block has no logits to score its tokens with, so the whole prompt is
+        computed (its blocks are still committed to the cache for others).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         hashes = self.request_block_hashes(request)
         hits: list[BlockId] = []

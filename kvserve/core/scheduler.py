@@ -124,7 +124,6 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None]
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -260,6 +259,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_sequences(self) -> int:
+        """Sequences not running yet: waiting requests plus the samples (n > 1) forked from them later."""
+        return len(self.waiting) + sum(len(self._forks.get(r.request_id, ())) for r in self.waiting)
+
+    @property
+    def num_pending_forks(self) -> int:
+        """Samples of running leaders that join the running requests once their leader's prompt is done."""
+        return sum(len(self._forks.get(r.request_id, ())) for r in self.running)
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -507,7 +516,7 @@ class Scheduler:
         """Advance ``num_computed_tokens``, commit full blocks to the prefix cache, append sampled tokens,
         fork the samples of leaders whose prompt is done, finish requests that hit a stop.
 
-        Returns one update per request that got a token (or prompt logprobs) this step; finished requests
+        Returns one update per request that got a token this step; finished requests
         have a final ``status`` and no blocks.
         """
         for s in output.scheduled:
@@ -515,7 +524,6 @@ class Scheduler:
                 s.request.num_computed_tokens += s.num_scheduled_tokens
                 self.block_manager.cache_blocks(s.request, s.request.num_computed_tokens)
         updates: list[RequestUpdate] = []
-        prompt_lps = runner_output.prompt_logprobs
         for row, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -525,7 +533,7 @@ class Scheduler:
             if request.request_id in self._forks:
                 self._fork_samples(request)  # its prompt is computed: the samples share it from now on
             lp = runner_output.logprobs[row] if runner_output.logprobs is not None else None
-            updates.append(RequestUpdate(request, [token_id], [lp], prompt_lps.get(request_id)))
+            updates.append(RequestUpdate(request, [token_id], [lp]))
             status = check_stop(request, self.config.max_model_len)
             if status is not None:
                 self.requests.pop(request_id)

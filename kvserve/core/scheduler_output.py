@@ -64,6 +64,21 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+@dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """Log-probabilities of the prompt tokens a step scored for one request (rows are prompt positions).
+
+    Row ``r`` scores prompt token ``start + r`` from the logits at position ``start + r - 1``; column 0 is
+    that prompt token, columns 1.. the top-N alternatives (most likely first). ``start >= 1``: nothing
+    predicts the first prompt token.
+    """
+
+    start: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
 @dataclass
 class ModelRunnerOutput:
     """What one step produced, in the order of the requests that sampled.
@@ -72,8 +87,9 @@ class ModelRunnerOutput:
         req_ids: ids of the requests that sampled a token this step.
         sampled_token_ids: one token id per entry of ``req_ids``.
         logprobs: per entry of ``req_ids``, the logprobs when the request asked for them, else None.
-        prompt_logprobs: per request id, logprobs of the prompt positions computed this step
-            (position 0 has none); only for requests that asked for ``prompt_logprobs``.
+        prompt_logprobs: per request id, the prompt tokens scored this step (also on steps that do not
+            sample); only for requests that asked for ``prompt_logprobs``. A request recomputed after
+            preemption scores its prompt again: the engine keeps the first copy.
         swap_bytes: bytes copied between device and host swap pool this step (out + in).
         swap_seconds: wall time of those copies (the engine's copy-bandwidth estimate uses both).
     """
@@ -81,6 +97,6 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
-    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     swap_bytes: int = 0
     swap_seconds: float = 0.0

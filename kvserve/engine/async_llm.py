@@ -311,12 +311,13 @@ class AsyncLLM:
         if limit is None:
             return
         sched = self.engine.scheduler
-        # Sequences that will still wait after the next schedule() filled the free batch slots.
-        free_slots = max(self.engine.config.max_num_seqs - sched.num_running, 0)
-        waiting = max(sched.num_waiting + n - free_slots, 0)
-        if waiting > limit:
+        # Sequences (each of a request's n samples counts) that will still wait after the next schedule()
+        # filled the free batch slots; the samples of running leaders take slots too.
+        free_slots = max(self.engine.config.max_num_seqs - sched.num_running - sched.num_pending_forks, 0)
+        queued = sched.num_waiting_sequences
+        if queued + n - free_slots > limit:
             raise TooManyRequestsError(
-                f"too many requests waiting: {sched.num_waiting} sequences queued, limit "
+                f"too many requests waiting: {queued} sequences queued and this request adds {n}, limit "
                 f"--max-waiting-requests {limit}; retry later")
 
     def _abort(self, request_id: str) -> None:

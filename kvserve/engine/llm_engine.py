@@ -23,13 +23,13 @@ from kvserve.config import EngineConfig
 from kvserve.core.block_manager import BlockManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import PerfEstimates, RequestUpdate, Scheduler, SchedulerConfig
-from kvserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from kvserve.engine.generation_config import load_generation_defaults
 from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.loader import load_weights
 from kvserve.models.registry import ModelArchConfig
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvserve.sample.token_constraints import prepare_token_constraints
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.backend import StructuredOutputBackend
@@ -100,6 +100,21 @@ def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> to
     return model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
 
 
+def check_num_logprobs(asked: int | None, limit: int, vocab_size: int, param: str) -> None:
+    """Refuse more log-probabilities per token than ``--max-logprobs`` allows (as vLLM; -1 asks for the whole
+    vocabulary, a ``limit`` of -1 allows anything).
+
+    Raises:
+        InvalidRequestError: over the limit; ``param`` names the request's field.
+    """
+    if asked is None or limit == -1:
+        return
+    num = vocab_size if asked == -1 else asked
+    if num > limit:
+        raise InvalidRequestError(f"{param}: {asked} asks for {num} log-probabilities per token, more than the "
+                                  f"{limit} this server allows (--max-logprobs)", param=param)
+
+
 @dataclass
 class _Sequence:
     """Engine-side state of one sample of a request: its Request and detokenizer."""
@@ -120,7 +135,8 @@ class _Group:
     params: SamplingParams
     sequences: list[_Sequence]
     arrival_time: float
-    prompt_logprobs: list[Any] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    score_only: bool = False  # max_tokens=0 with prompt logprobs: the one sampled token is not reported
     first_token_time: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -173,6 +189,7 @@ class LLMEngine:
             self.tokenizer = Tokenizer.from_path(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else arch.eos_token_id
         self.num_blocks = self._num_blocks(model)
+        self._fit_max_model_len_to_cache()
         self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.kv_dtype, self.dtype,
                                              self.compute_dtype)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -203,9 +220,31 @@ class LLMEngine:
         self._seq_to_group: dict[str, _Group] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}
         logger.info("loaded %s (%s, %s, KV cache %s) in %.1f s: %d KV blocks of %d tokens", config.model,
                     self.device, self.dtype, self.kv_dtype, time.perf_counter() - t0, self.num_blocks,
                     config.block_size)
+
+    def _fit_max_model_len_to_cache(self) -> None:
+        """As vLLM: a KV cache smaller than ``max_model_len`` refuses to start when ``--max-model-len`` was
+        given, else ``max_model_len`` is lowered to the cache's capacity (with a warning), so that every
+        request the length check admits can run to its ``max_tokens``.
+
+        Raises:
+            InvalidRequestError: ``max_model_len`` was given and exceeds the capacity (both numbers named).
+        """
+        capacity = self.kv_cache_capacity_tokens
+        if self.max_model_len <= capacity:
+            return
+        where = f"{self.num_blocks} KV blocks of {self.config.block_size} tokens"
+        if self.config.max_model_len is not None:
+            raise InvalidRequestError(
+                f"max_model_len: {self.max_model_len} is larger than the {capacity} tokens the KV cache can hold "
+                f"({where}); give the cache more memory (--kv-cache-memory, --gpu-memory-utilization, "
+                f"--num-gpu-blocks-override) or lower --max-model-len", param="max_model_len")
+        logger.warning("max_model_len lowered from the model's %d to %d, the tokens the KV cache can hold (%s); "
+                       "give the cache more memory to serve longer sequences", self.max_model_len, capacity, where)
+        self.max_model_len = capacity
 
     def _num_blocks(self, model: torch.nn.Module) -> int:
         c = self.config
@@ -264,8 +303,8 @@ class LLMEngine:
         Raises:
             InvalidRequestError: empty or malformed prompt, token ids out of range, stop strings without
                 a tokenizer, a structured-output constraint that does not compile.
-            PromptTooLongError: the prompt leaves no room for one output token within ``max_model_len``,
-                or needs more KV blocks than the whole cache has.
+            PromptTooLongError: the prompt leaves no room for one output token within ``max_model_len``
+                (which never exceeds the KV cache's capacity, see ``_fit_max_model_len_to_cache``).
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
@@ -285,16 +324,18 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt: this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{n} tokens (no room for any output)", param="prompt")
-        if n + 1 > self.kv_cache_capacity_tokens:
-            raise PromptTooLongError(
-                f"prompt: {n} tokens need more KV blocks than the cache has ({self.num_blocks} blocks of "
-                f"{self.config.block_size} tokens)", param="prompt")
+        self._check_num_logprobs(params)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop: stop strings need a tokenizer", param="stop")
-        limit = min(self.max_model_len, self.kv_cache_capacity_tokens) - n
+        limit = self.max_model_len - n
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        # max_tokens=0 with prompt logprobs scores the prompt (echo + logprobs): it runs to one hidden token.
+        score_only = max_tokens == 0 and params.prompt_logprobs is not None
+        max_tokens = 1 if score_only else max_tokens
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = _Group(request_id, text, ids, params, [], arrival)
+        group = _Group(request_id, text, ids, params, [], arrival,
+                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                       score_only=score_only)
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             child = params if params.n == 1 else params.clone(n=1, seed=seed)
@@ -358,6 +399,9 @@ class LLMEngine:
                     req.error = f"{type(e).__name__}: {e}"
                 outputs.append(self._finish_group(group))
             return outputs
+        for seq_id, chunk in runner_out.prompt_logprobs.items():
+            if seq_id in self._seq_to_group:
+                self._add_prompt_logprobs(self._seq_to_group[seq_id], chunk)
         updates = self.scheduler.update_from_output(so, runner_out)
         changed: dict[str, _Group] = {}
         now = time.monotonic()
@@ -387,13 +431,45 @@ class LLMEngine:
         if prefill >= 64 and prefill >= 0.75 * total and seconds > out.swap_seconds:
             perf.prefill_tokens_per_s = ema(perf.prefill_tokens_per_s, total / (seconds - out.swap_seconds))
 
+    def _check_num_logprobs(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            check_num_logprobs(getattr(params, name), self.config.max_logprobs, self.arch.vocab_size, name)
+
+    def _add_prompt_logprobs(self, group: _Group, chunk: PromptLogprobsChunk) -> None:
+        """Append a step's scored prompt tokens in vLLM's shape (a recomputed prompt's repeats are dropped)."""
+        lps = group.prompt_logprobs
+        if lps is None:
+            return
+        skip = len(lps) - chunk.start  # rows already there (a preempted request recomputes its prompt)
+        if skip < 0 or skip >= len(chunk.ranks):
+            return
+        for ids, values, rank in zip(chunk.token_ids[skip:], chunk.logprobs[skip:], chunk.ranks[skip:], strict=True):
+            entry = {ids[0]: Logprob(values[0], rank, self._token_text(ids[0]))}
+            for r, (t, v) in enumerate(zip(ids[1:], values[1:], strict=True), start=1):
+                entry.setdefault(t, Logprob(v, r, self._token_text(t)))
+            lps.append(entry)
+
+    def _token_text(self, token_id: int) -> str | None:
+        """One token's text (cached), vLLM's ``Logprob.decoded_token``; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
     def _apply_update(self, group: _Group, upd: RequestUpdate) -> None:
         seq = group.sequences[0] if len(group.sequences) == 1 else next(
             s for s in group.sequences if s.request is upd.request)
+        if group.score_only:
+            return  # the token only ended the prompt's scoring step
         if seq.logprobs is not None:
             seq.logprobs.extend(upd.new_logprobs)
         if seq.detokenizer is not None:
-            stop = seq.detokenizer.update(upd.new_token_ids)
+            new_ids = upd.new_token_ids
+            if upd.request.status == RequestStatus.FINISHED_STOPPED and not group.params.include_stop_str_in_output:
+                new_ids = new_ids[:-1]  # EOS or a stop token id: its text is not output (as vLLM)
+            stop = seq.detokenizer.update(new_ids)
             if stop is not None and not upd.request.is_finished:
                 upd.request.stop_reason = stop
                 self.scheduler.finish_requests([upd.request.request_id], RequestStatus.FINISHED_STOPPED)
@@ -408,7 +484,8 @@ class LLMEngine:
             req = seq.request
             finished = req.is_finished
             text = seq.detokenizer.get_next_output_text(finished, delta=False) if seq.detokenizer else ""
-            outs.append(CompletionOutput(seq.index, text, list(req.output_token_ids),
+            token_ids = [] if group.score_only else list(req.output_token_ids)
+            outs.append(CompletionOutput(seq.index, text, token_ids,
                                          list(seq.logprobs) if seq.logprobs is not None else None,
                                          req.status.finish_reason, req.stop_reason))
         metrics = {"arrival_time": group.arrival_time}
@@ -419,7 +496,8 @@ class LLMEngine:
             metrics["first_scheduled_time"] = scheduled
         errors = [s.request.error for s in group.sequences if s.request.error]
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
-                             group.prompt_logprobs, group.sequences[0].request.num_cached_tokens,
+                             list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+                             group.sequences[0].request.num_cached_tokens,
                              errors[0] if errors else None, metrics)
 
     def _finish_group(self, group: _Group) -> RequestOutput:

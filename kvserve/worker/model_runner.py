@@ -26,6 +26,7 @@ from kvserve.sample.token_constraints import TokenConstraints
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
+from kvserve.worker.prompt_logprobs import compute_prompt_logprobs
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -128,10 +129,11 @@ class ModelRunner:
         batch = prepare_inputs(order, len(decodes), self.block_size, self.device, self.native_decode)
         input_ids, positions, meta, logits_indices = batch
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        prompt_logprobs = compute_prompt_logprobs(order, hidden, self.model.compute_logits)
         sampling = [s for s in order if s.sample]
         if not sampling:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], swap_bytes=swap_bytes,
-                                     swap_seconds=swap_seconds)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs,
+                                     swap_bytes=swap_bytes, swap_seconds=swap_seconds)
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         requests = [s.request for s in sampling]
         _mask_stop_tokens_before_min_tokens(logits, requests)
@@ -160,7 +162,8 @@ class ModelRunner:
                 top = list(zip(ids_l[row][1:k + 1], lps_l[row][1:k + 1], strict=True))
                 logprobs.append(TokenLogprobs(ids_l[row][0], lps_l[row][0], ranks[row], top))
         return ModelRunnerOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=sampled,
-                                 logprobs=logprobs, swap_bytes=swap_bytes, swap_seconds=swap_seconds)
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, swap_bytes=swap_bytes,
+                                 swap_seconds=swap_seconds)
 
     # ---- swapping ------------------------------------------------------------------------------
     def swap_blocks(self, blocks_to_swap_out: list[tuple[BlockId, int]], blocks_to_swap_in: list[tuple[int, BlockId]],

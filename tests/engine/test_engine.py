@@ -140,7 +140,7 @@ def test_failed_step_fails_only_its_requests(llm: LLM, monkeypatch: pytest.Monke
     ({"presence_penalty": 3.0}, "presence_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"logprobs": 50}, "logprobs"),
+    ({"logprobs": -2}, "logprobs"),  # above --max-logprobs is the engine's 400 (test_prompt_logprobs)
     ({"stop": [""]}, "stop"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs: dict[str, object], param: str) -> None:

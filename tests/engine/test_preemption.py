@@ -33,7 +33,7 @@ def _workload() -> tuple[list[dict[str, list[int]]], list[SamplingParams]]:
 
 
 def _run(**kwargs: Any) -> tuple[list[list[list[int]]], LLM]:
-    llm = LLM(MODEL, max_model_len=512, **kwargs)
+    llm = LLM(MODEL, **{"max_model_len": 512, **kwargs})
     prompts, params = _workload()
     scheduler = llm.engine.scheduler
     schedule = scheduler.schedule
@@ -76,7 +76,8 @@ def test_partial_prefills_and_the_long_prompt_cap(reference: list[list[list[int]
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_preemption_modes_give_identical_tokens(reference: list[list[list[int]]], mode: str) -> None:
-    outs, llm = _run(num_gpu_blocks_override=30, max_num_batched_tokens=128, preemption_mode=mode,
+    # max_model_len 480: the pool's capacity (a larger one refuses to start, as vLLM).
+    outs, llm = _run(num_gpu_blocks_override=30, max_model_len=480, max_num_batched_tokens=128, preemption_mode=mode,
                      swap_space=0.1)
     counts = llm.engine.scheduler.num_preemptions_by_mode
     expected = "recompute" if mode == "recompute" else "swap"  # auto: copies beat prefill on this model
@@ -90,7 +91,7 @@ def test_preemption_modes_give_identical_tokens(reference: list[list[list[int]]]
 
 
 def test_priority_policy_with_preemption(reference: list[list[list[int]]]) -> None:
-    llm = LLM(MODEL, max_model_len=512, num_gpu_blocks_override=30, max_num_batched_tokens=128,
+    llm = LLM(MODEL, max_model_len=480, num_gpu_blocks_override=30, max_num_batched_tokens=128,
               scheduling_policy="priority", preemption_mode="recompute")
     prompts, params = _workload()
     engine = llm.engine

@@ -39,6 +39,12 @@ class _Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_waiting_sequences(self) -> int:
+        return len(self.waiting)
+
+    num_pending_forks = 0
+
     def make_stats(self) -> SchedulerStats:
         # kv usage: 0.1 per running request, so the gauge test sees it rise and return to 0
         return SchedulerStats(len(self.running), len(self.waiting), 0, 0, 0.1 * len(self.running), 0, 0, 0, 0, 0, 0)
@@ -221,6 +227,66 @@ def test_dead_loop_fails_streams_and_health_is_503() -> None:
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
             r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
             assert r.status_code == 503
+        llm.shutdown()
+
+    asyncio.run(main())
+
+
+class _QueueOnlyEngine:
+    """The real Scheduler behind a step that computes nothing: requests (and their n samples) stay queued."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        from kvserve.core.block_manager import BlockManager
+        from kvserve.core.scheduler import Scheduler, SchedulerConfig
+
+        self.config = _Config(max_num_seqs=max_num_seqs)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, 64, 128), BlockManager(64, 16))
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *args: Any) -> str:
+        from kvserve.core.request import Request
+
+        ids = prompt["prompt_token_ids"]
+        leader = Request(request_id, ids, params, None, 8)
+        self.scheduler.add_request(leader)
+        self.scheduler.add_forks(leader, [Request(f"{request_id}#{i}", ids, params, None, 8)
+                                          for i in range(1, params.n)])
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        from kvserve.core.request import RequestStatus
+
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        return []
+
+
+def test_max_waiting_requests_counts_every_sample_and_prompt() -> None:
+    """4 batch slots, at most 8 sequences waiting: requests of n=4 are 4 sequences each (the 4th is refused),
+    and one request of 4 prompts x n=4 (16 sequences) is refused as a whole."""
+    async def main() -> None:
+        engine = _QueueOnlyEngine(max_num_seqs=4)
+        llm = await _started(engine, max_waiting_requests=8)  # type: ignore[arg-type]
+        params = SamplingParams(n=4, max_tokens=8, temperature=1.0)
+        results = []
+        for _ in range(4):
+            stream = llm.add_request({"prompt_token_ids": [1, 2, 3]}, params)
+            results.append(await asyncio.gather(stream.accepted(), return_exceptions=True))
+        assert [isinstance(r[0], TooManyRequestsError) for r in results] == [False, False, False, True]
+        assert engine.scheduler.num_waiting_sequences == 12
+        for rid in list(engine.scheduler.requests):
+            llm.abort(rid)
+        await asyncio.sleep(0.05)
+        assert engine.scheduler.num_waiting_sequences == 0
+        ctx = ServerContext(llm=llm, tokenizer=None, served_model_name="fake", model_aliases=frozenset({"fake"}),
+                            max_model_len=128)
+        with pytest.raises(TooManyRequestsError, match="12 sequences queued and this request adds 4"):
+            await ctx.submit([[1, 2]] * 4, params, "multi", 0, None)
+        await asyncio.sleep(0.05)
+        assert engine.scheduler.num_waiting_sequences == 0  # the prompts already queued were aborted
         llm.shutdown()
 
     asyncio.run(main())

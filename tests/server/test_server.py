@@ -161,7 +161,8 @@ def test_echo(server: Server) -> None:
     r = _post(server, "/v1/completions", {"prompt": "The sky is", "max_tokens": 3, "echo": True, "temperature": 0})
     assert r.json()["choices"][0]["text"].startswith("The sky is")
     r = _post(server, "/v1/completions", {"prompt": "The sky is", "max_tokens": 1, "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    lps = r.json()["choices"][0]["logprobs"]
+    assert lps["tokens"][:3] == ["The", " sky", " is"] and lps["token_logprobs"][0] is None and len(lps["tokens"]) == 4
 
 
 def test_info_endpoints(server: Server, client: openai.OpenAI) -> None:
@@ -219,7 +220,7 @@ MALFORMED: list[tuple[str, Any, int, str | None]] = [
     (C, {"logprobs": 21}, 400, "logprobs"),
     (C, {"logprobs": -1}, 400, "logprobs"),
     (C, {"echo": "yes"}, 400, "echo"),
-    (C, {"echo": True, "logprobs": 2}, 400, "echo"),
+    (C, {"prompt_logprobs": -2}, 400, "prompt_logprobs"),
     (C, {"stream": "yes"}, 400, "stream"),
     (C, {"stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
     (C, {"stream_options": {"include_usage": True}}, 400, "stream_options"),

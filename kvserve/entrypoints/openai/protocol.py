@@ -20,7 +20,6 @@ from kvserve.sampling_params import SamplingParams
 # Bounds. n and the number of prompts bound the memory one request can ask for.
 MAX_N = 128
 MAX_PROMPTS = 128
-MAX_LOGPROBS = 20
 _I64_MAX = 2**63 - 1
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1 - MAX_N  # the engine seeds sample i with seed + i
 
@@ -41,7 +40,6 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: Bool = False
     continuous_usage_stats: Bool = False  # vLLM: every chunk carries the usage so far
-
 
 
 class _SamplingRequest(StructuredOutputFields, _Body):
@@ -67,6 +65,7 @@ class _SamplingRequest(StructuredOutputFields, _Body):
     user: Str | None = None
     priority: Int = 0
     cache_salt: Str | None = None
+    prompt_logprobs: Annotated[int, Strict(), Field(ge=-1, le=_I64_MAX)] | None = None  # vLLM's; -1: all
     logit_bias: dict[str, Float] | None = None
     allowed_token_ids: TokenIds | None = None
     bad_words: list[Str] | None = None
@@ -79,6 +78,9 @@ class _SamplingRequest(StructuredOutputFields, _Body):
             raise InvalidRequestError("stream_options: only allowed with stream=true", param="stream_options")
         if self.cache_salt is not None and not self.cache_salt:
             raise InvalidRequestError("cache_salt: must be a non-empty string", param="cache_salt")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs: not available with stream=true (as vLLM)",
+                                      param="prompt_logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -98,7 +100,7 @@ class _SamplingRequest(StructuredOutputFields, _Body):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
+            stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs, prompt_logprobs=self.num_prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
@@ -123,6 +125,10 @@ class _SamplingRequest(StructuredOutputFields, _Body):
             raise InvalidRequestError(f"logit_bias: keys must be token ids, got {bad!r}", param="logit_bias")
         return {int(k): v for k, v in self.logit_bias.items()}
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top log-probabilities per prompt token the engine computes (None: none)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -135,7 +141,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Str | list[Str] | TokenIds | list[TokenIds]
     max_tokens: NonNegInt | None = 16
     echo: Bool = False
-    logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Strict(), Field(ge=-1, le=_I64_MAX)] | None = None  # the engine caps it
     best_of: Int | None = None
     suffix: Str | None = None
 
@@ -146,9 +152,13 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError(f"best_of: only best_of == n is supported (n={self.n}, got {self.best_of})",
                                       param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo: echo with logprobs needs prompt logprobs, which kvserve does not "
-                                      "compute yet; drop logprobs or echo", param="echo")
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or with ``echo`` + ``logprobs`` that many for the echoed prompt (as vLLM)."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one per engine request.
@@ -201,7 +211,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: NonNegInt | None = None
     max_completion_tokens: NonNegInt | None = None
     logprobs: Bool = False
-    top_logprobs: Annotated[int, Strict(), Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Strict(), Field(ge=-1, le=_I64_MAX)] | None = None  # the engine caps it
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     echo: Bool = False
@@ -227,7 +237,6 @@ class ChatCompletionRequest(_SamplingRequest):
         """vLLM's chat ``echo``: the last message's text when it is the assistant's (the reply continues it)."""
         last = self.messages[-1] if self.messages else None
         return last.text() if self.echo and last is not None and last.role == "assistant" else ""
-
 
     @property
     def effective_max_tokens(self) -> int | None:

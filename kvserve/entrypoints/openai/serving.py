@@ -20,6 +20,7 @@ from typing import Any
 from starlette.requests import Request
 
 from kvserve.engine.async_llm import AsyncLLM, RequestStream
+from kvserve.entrypoints.openai.json_body import parse_json_object
 from kvserve.errors import InvalidRequestError, KVServeError, ModelNotFoundError, PromptTooLongError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -77,7 +78,6 @@ class ServerContext:
     log_requests: bool = True
     max_log_len: int | None = None
     tool_call_parser: str | None = None
-    _token_text: dict[int, str] = field(default_factory=dict)
 
     # ---- checks --------------------------------------------------------------------------------
     def check_auth(self, raw: Request) -> None:
@@ -99,7 +99,8 @@ class ServerContext:
 
         Raises:
             PayloadTooLargeError: body over ``max_body_bytes``.
-            InvalidRequestError: not UTF-8, not JSON, or not a JSON object.
+            InvalidRequestError: not UTF-8, not JSON, not a JSON object, too deeply nested, or a string with
+                a lone surrogate (see ``json_body``).
         """
         declared = raw.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -115,13 +116,7 @@ class ServerContext:
             text = body.decode("utf-8")
         except UnicodeDecodeError as e:
             raise InvalidRequestError(f"body: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        try:
-            obj = json.loads(text, parse_constant=_reject_constant)
-        except ValueError as e:
-            raise InvalidRequestError(f"body: not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise InvalidRequestError("body: must be a JSON object")
-        return obj
+        return parse_json_object(text)
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Prompt -> (text or None, token ids).
@@ -196,12 +191,13 @@ class ServerContext:
                 param="max_tokens")
 
     def token_text(self, token_id: int) -> str:
-        """One token's text (cached), for logprobs."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
-            self._token_text[token_id] = text
-        return text
+        """One token as logprobs show it (``bytes:\\xf0\\x9f`` for part of a character; see
+        ``Tokenizer.logprob_token``); ``token_id:N`` without a tokenizer."""
+        return self.tokenizer.logprob_token(token_id) if self.tokenizer else f"token_id:{token_id}"
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text (those of a whole text are its tokens' bytes, joined)."""
+        return self.tokenizer.token_bytes(token_id) if self.tokenizer else b""
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
@@ -226,10 +222,6 @@ class ServerContext:
                 s.abort()
             raise
         return streams
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def new_id(prefix: str) -> str:
@@ -341,17 +333,6 @@ async def unless_disconnected(raw: Request, work: asyncio.Future[Any] | Any) -> 
     return None
 
 
-def logprob_entries(ctx: ServerContext, logprobs: Sequence[Any]) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    """``TokenLogprobs`` -> (token text, logprob, [(alternative text, logprob), ...])."""
-    out = []
-    for lp in logprobs:
-        if lp is None:
-            continue
-        top = [(ctx.token_text(t), v) for t, v in lp.top]
-        out.append((ctx.token_text(lp.token_id), _finite(lp.logprob), [(t, _finite(v)) for t, v in top]))
-    return out
-
-
-def _finite(v: float) -> float:
-    # JSON has no -inf; OpenAI clients expect a number.
+def finite_logprob(v: float) -> float:
+    """JSON has no -inf; OpenAI clients expect a number (-9999, as vLLM)."""
     return v if v > -1e30 else -9999.0

@@ -15,13 +15,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_llm import RequestStream
+from kvserve.engine.llm_engine import check_num_logprobs
+from kvserve.entrypoints.openai.completion_logprobs import prompt_logprobs_json
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
 from kvserve.entrypoints.openai.serving import (
     SSE_DONE,
     ServerContext,
     check_failed,
     final_outputs,
-    logprob_entries,
+    finite_logprob,
     merged,
     new_id,
     now_s,
@@ -49,6 +51,8 @@ async def create_chat_completion(ctx: ServerContext, raw: Request, req: ChatComp
     max_tokens = req.effective_max_tokens
     ctx.check_length(len(ids), max_tokens, what="messages")
     params = req.sampling_params(max_tokens, req.num_logprobs, ctx.sampling_defaults)
+    engine = ctx.llm.engine
+    check_num_logprobs(req.top_logprobs, engine.config.max_logprobs, engine.arch.vocab_size, "top_logprobs")
     params = with_tool_constraint(params, plan)
     await check_compiles(ctx.llm.engine.structured_outputs, params.structured_outputs)
     request_id = new_id("chatcmpl")
@@ -70,7 +74,9 @@ async def create_chat_completion(ctx: ServerContext, raw: Request, req: ChatComp
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({
         "id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.served_model_name,
-        "choices": choices, "usage": _usage(out)})
+        "choices": choices, "usage": _usage(out),
+        **({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if params.prompt_logprobs is not None
+           else {})})
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:
@@ -78,12 +84,19 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
 
 
 def _logprobs(ctx: ServerContext, c: CompletionOutput, start: int) -> dict[str, Any]:
-    """OpenAI's chat logprobs object for ``c.logprobs[start:]``."""
+    """OpenAI's chat logprobs object for ``c.logprobs[start:]``. ``bytes`` are the token's own bytes (part of
+    a character for a split emoji, whose ``token`` reads ``bytes:\\xf0\\x9f``), so they join into the text's."""
     content = []
-    for token, lp, top in logprob_entries(ctx, (c.logprobs or [])[start:]):
-        content.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
-                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top]})
+    for lp in (c.logprobs or [])[start:]:
+        if lp is not None:
+            content.append({**_entry(ctx, lp.token_id, lp.logprob),
+                            "top_logprobs": [_entry(ctx, t, v) for t, v in lp.top]})
     return {"content": content}
+
+
+def _entry(ctx: ServerContext, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": ctx.token_text(token_id), "logprob": finite_logprob(logprob),
+            "bytes": list(ctx.token_bytes(token_id))}
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolCallPlan, request_id: str,

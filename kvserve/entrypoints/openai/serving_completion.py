@@ -16,13 +16,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_llm import RequestStream
+from kvserve.entrypoints.openai.completion_logprobs import CompletionLogprobs, prompt_logprobs_json
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving import (
     SSE_DONE,
     ServerContext,
     check_failed,
     final_outputs,
-    logprob_entries,
     merged,
     new_id,
     now_s,
@@ -43,8 +43,7 @@ class _Sent:
     """What one streamed choice already sent."""
 
     text_len: int = 0
-    num_logprobs: int = 0
-    offset: int = 0  # characters sent, echo included (for text_offset)
+    logprobs: CompletionLogprobs | None = None
     echoed: bool = False
     finished: bool = False
 
@@ -78,9 +77,13 @@ async def create_completion(ctx: ServerContext, raw: Request, req: CompletionReq
     for i, out in enumerate(outs):
         for c in out.outputs:
             text = echoes[i] + c.text
-            lps = _logprobs(ctx, c.logprobs, 0, len(echoes[i])) if req.logprobs is not None and c.logprobs else None
-            choices.append({"index": i * req.n + c.index, "text": text, "logprobs": lps,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            builder = _logprobs_builder(ctx, req, echoes[i], out.prompt_token_ids)
+            lps = builder.update(c.logprobs, out.prompt_logprobs, len(text), finished=True) if builder else None
+            choice = {"index": i * req.n + c.index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}
+            if params.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.served_model_name,
@@ -92,16 +95,13 @@ def _usage(outs: list[RequestOutput], num_prompt_tokens: int) -> dict[str, Any]:
     return usage(num_prompt_tokens, completion, sum(o.num_cached_tokens for o in outs))
 
 
-def _logprobs(ctx: ServerContext, logprobs: list[Any] | None, start: int, offset: int) -> dict[str, Any]:
-    """OpenAI's completions logprobs object for ``logprobs[start:]``; ``offset``: text before the first token."""
-    entries = logprob_entries(ctx, (logprobs or [])[start:])
-    offsets = []
-    for token, _, _ in entries:
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [dict([*top, (t, lp)]) if top else {t: lp} for t, lp, top in entries],
-            "text_offset": offsets}
+def _logprobs_builder(ctx: ServerContext, req: CompletionRequest, echo: str,
+                      prompt_ids: list[int]) -> CompletionLogprobs | None:
+    """The logprobs builder of one choice (None without ``logprobs``); with echo it shows the prompt's too."""
+    if req.logprobs is None:
+        return None
+    special = frozenset(ctx.tokenizer.hf.all_special_ids) if ctx.tokenizer and req.skip_special_tokens else frozenset()
+    return CompletionLogprobs(ctx, echo, prompt_ids if req.echo else None, special)
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, streams: list[RequestStream],
@@ -116,7 +116,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, s
         async with contextlib.aclosing(merged(streams)) as outputs:
             async for i, out in outputs:
                 check_failed(out)
-                choices = [ch for c in out.outputs if (ch := _delta(ctx, req, sent[i * n + c.index], c,
+                choices = [ch for c in out.outputs if (ch := _delta(ctx, req, sent[i * n + c.index], c, out,
                                                                     i * n + c.index, echoes[i])) is not None]
                 generated[i] = sum(len(c.token_ids) for c in out.outputs)
                 if choices:
@@ -135,22 +135,20 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, s
     yield SSE_DONE
 
 
-def _delta(ctx: ServerContext, req: CompletionRequest, st: _Sent, c: CompletionOutput, index: int,
-           echo: str) -> dict[str, Any] | None:
+def _delta(ctx: ServerContext, req: CompletionRequest, st: _Sent, c: CompletionOutput, out: RequestOutput,
+           index: int, echo: str) -> dict[str, Any] | None:
     if st.finished:
         return None
     prefix = ""
     if not st.echoed:
         prefix, st.echoed = echo, True
-        st.offset += len(echo)
+        st.logprobs = _logprobs_builder(ctx, req, echo, out.prompt_token_ids)
     new_text = c.text[st.text_len:]
     st.text_len = len(c.text)
-    lps = None
-    if req.logprobs is not None and c.logprobs is not None and len(c.logprobs) > st.num_logprobs:
-        lps = _logprobs(ctx, c.logprobs, st.num_logprobs, st.offset)
-        st.num_logprobs = len(c.logprobs)
-    st.offset += len(new_text)
     st.finished = c.finish_reason is not None
+    # Logprobs go out once the text up to their offset was sent (text_offset equals the non-streamed one).
+    lps = st.logprobs.update(c.logprobs, out.prompt_logprobs, len(echo) + st.text_len, st.finished) \
+        if st.logprobs else None
     text = prefix + new_text
     if not text and lps is None and not st.finished:
         return None
