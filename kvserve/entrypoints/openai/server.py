@@ -237,8 +237,6 @@ def load_chat_template(value: str) -> str:
     return template
 
 
-
-
 def build_context(args: argparse.Namespace) -> ServerContext:
     """Load the engine (seconds) and wrap it for the server; prints the startup summary.
 
