@@ -18,37 +18,17 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 __attribute__((simd("notinbranch"))) float expf(float);
 
 static inline float ld(const void *p, int64_t i, int bf16) {
-    if (bf16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
-static inline float round_bf16(float f) { /* float32 -> nearest-even bfloat16, as a float32 */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x400000u;
-    else u += 0x7fffu + ((u >> 16) & 1u);
-    u &= 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16 ? bf16_widen(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void st(void *p, int64_t i, float f, int bf16) {
-    if (bf16) {
-        uint32_t u;
-        f = round_bf16(f);
-        memcpy(&u, &f, 4);
-        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-    } else {
-        ((float *)p)[i] = f;
-    }
+    if (bf16) ((uint16_t *)p)[i] = bf16_narrow(f);
+    else ((float *)p)[i] = f;
 }
 
 /* x, residual, out: [M, H]; weight: [H] (activation dtype). residual may be NULL (no add: the first
@@ -62,7 +42,7 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
             float v = ld(x, m * H + i, bf16);
             if (residual) {
                 v = v + ld(residual, m * H + i, bf16);
-                if (bf16) v = round_bf16(v);
+                if (bf16) v = bf16_round(v);
                 st(residual, m * H + i, v, bf16);
             }
             ss += v * v;
@@ -71,7 +51,7 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
         const void *src = residual ? residual : x;
         for (int64_t i = 0; i < H; i++) {
             float v = ld(src, m * H + i, bf16) * inv;
-            if (bf16) v = round_bf16(v);
+            if (bf16) v = bf16_round(v);
             st(out, m * H + i, ld(weight, i, bf16) * v, bf16);
         }
     }
@@ -84,7 +64,7 @@ void silu_mul(const void *gate_up, void *out, int64_t M, int64_t F, int bf16) {
         for (int64_t i = 0; i < F; i++) {
             const float g = ld(gate_up, m * 2 * F + i, bf16);
             float s = g / (1.f + expf(-g));
-            if (bf16) s = round_bf16(s);
+            if (bf16) s = bf16_round(s);
             st(out, m * F + i, s * ld(gate_up, m * 2 * F + F + i, bf16), bf16);
         }
     }
@@ -100,9 +80,9 @@ static inline void rope_vec(void *x, int64_t off, const float *c, const float *s
         float c0 = c[i], s0 = s[i], c1 = c[i + h], s1 = s[i + h];
         float r0, r1;
         if (bf16) {
-            c0 = round_bf16(c0), s0 = round_bf16(s0), c1 = round_bf16(c1), s1 = round_bf16(s1);
-            r0 = round_bf16(round_bf16(a * c0) + round_bf16(-b * s0));
-            r1 = round_bf16(round_bf16(b * c1) + round_bf16(a * s1));
+            c0 = bf16_round(c0), s0 = bf16_round(s0), c1 = bf16_round(c1), s1 = bf16_round(s1);
+            r0 = bf16_round(bf16_round(a * c0) + bf16_round(-b * s0));
+            r1 = bf16_round(bf16_round(b * c1) + bf16_round(a * s1));
         } else {
             r0 = a * c0 - b * s0;
             r1 = b * c1 + a * s1;

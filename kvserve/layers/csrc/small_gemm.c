@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -67,21 +69,6 @@ static inline __attribute__((always_inline)) vf load_bf16(const uint16_t *p) {
     return (vf)u;
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet (as torch) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 static inline float hsum(vf v) {
     float s = 0.f;
     for (int i = 0; i < VW; i++) s += v[i];
@@ -114,7 +101,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
         for (int m = 0; m < mt; m++) {
             float s = hsum(acc[r][m]);
             for (int64_t kk = k; kk < K; kk++) {
-                float wk = wbf16 ? bf16_to_f32(wh[(wn0 + r) * K + kk]) : wf[(wn0 + r) * K + kk];
+                float wk = wbf16 ? bf16_widen(wh[(wn0 + r) * K + kk]) : wf[(wn0 + r) * K + kk];
                 s += wk * x[(m0 + m) * K + kk];
             }
             out[(m0 + m) * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.f);
@@ -151,7 +138,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const float *x, cons
     for (int r = 0; r < nr; r++) {
         for (int m = 0; m < mt; m++) {
             float s = hsum(acc[r][m]);
-            for (int64_t kk = k; kk < K; kk++) s += bf16_to_f32(w[(n0 + r) * K + kk]) * x[(m0 + m) * K + kk];
+            for (int64_t kk = k; kk < K; kk++) s += bf16_widen(w[(n0 + r) * K + kk]) * x[(m0 + m) * K + kk];
             out[(m0 + m) * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.f);
         }
     }
@@ -252,7 +239,7 @@ int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float
             scratch = (float *)malloc(sizeof(float) * (size_t)(M * K));
             if (scratch == NULL) { free(out_f); return -1; }
             const uint16_t *xh = (const uint16_t *)x;
-            for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_to_f32(xh[i]);
+            for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_widen(xh[i]);
             xf = scratch;
         }
         float *xp = NULL; /* x permuted for the bf16-weight tiles (see tile_bf16) */
@@ -275,7 +262,7 @@ convert_out:
 #endif
     if (x_bf16) {
         uint16_t *oh = (uint16_t *)out;
-        for (int64_t i = 0; i < M * N; i++) oh[i] = f32_to_bf16(out_f[i]);
+        for (int64_t i = 0; i < M * N; i++) oh[i] = bf16_narrow(out_f[i]);
         free(out_f);
     }
     return 0;
