@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
             layers = cast(list[DecoderLayer], list(self.layers))
             for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
                 attn, mlp = layer.self_attn, layer.mlp
-                bias = attn.qkv_proj.bias
+                bias: torch.Tensor | None = attn.qkv_proj.bias
                 if bias is not None:  # the kernel takes float32 biases (as Linear passes them)
                     bias = bias.detach().float()
                     biases.append(bias)
