@@ -22,8 +22,8 @@ from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
 from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.host_memory import move_parameters_to_hugepages
+from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
