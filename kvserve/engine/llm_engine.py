@@ -160,6 +160,9 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        # The intra-op threads the engine computes with; a thread that later drives it sets the same
+        # (OpenMP's thread count is per calling thread; see AsyncLLM).
+        self.num_threads = torch.get_num_threads()
         torch.manual_seed(config.seed)
         self.device, self.dtype = resolve_device_dtype(config)
         self.compute_dtype = compute_dtype_for(self.dtype, self.device)

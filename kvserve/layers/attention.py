@@ -42,6 +42,9 @@ class PrefillGroup:
         max_q: longest chunk in tokens.
         mask: ``[P, 1, max_q, max_blocks * block_size]`` float32 additive mask (0 or -inf) when some chunk
             continues a cached prefix; None when every chunk starts at position 0 (plain causal).
+        bounds: for fresh prompts (mask None), each prompt's ``(start, end)`` tokens of the step: they are
+            attended one SDPA call each, unpadded (padding P prompts to the longest costs up to ~3x the
+            causal work of uniformly mixed lengths, and attention is about a third of a bf16 prefill).
     """
 
     start: int
@@ -50,6 +53,7 @@ class PrefillGroup:
     pad_index: torch.Tensor
     max_q: int
     mask: torch.Tensor | None
+    bounds: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -119,6 +123,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.reshape(end - start, num_heads * head_dim)
     for grp in meta.prefill_groups:
+        if grp.mask is None and grp.bounds:
+            _fresh_prompts(q, k_cache, v_cache, grp, scale, out)
+            continue
         p, max_q = grp.block_tables.shape[0], grp.max_q
         k = _gather(k_cache, grp.block_tables).to(q.dtype)  # [P, kv_heads, L, hd]
         v = _gather(v_cache, grp.block_tables).to(q.dtype)
@@ -134,6 +141,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                enable_gqa=True)
         out[grp.start:grp.end] = o.transpose(1, 2).reshape(p * max_q, num_heads * head_dim)[grp.pad_index]
     return out
+
+
+def _fresh_prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: PrefillGroup, scale: float,
+                   out: torch.Tensor) -> None:
+    """Causal attention of each fresh prompt over its own keys (cache blocks from position 0), unpadded."""
+    block_size, num_heads, head_dim = k_cache.shape[1], q.shape[1], q.shape[2]
+    for i, (start, end) in enumerate(grp.bounds):
+        n = end - start
+        table = grp.block_tables[i:i + 1, :-(-n // block_size)]
+        k = _gather(k_cache, table)[:, :, :n].to(q.dtype)  # [1, kv_heads, n, hd]
+        v = _gather(v_cache, table)[:, :, :n].to(q.dtype)
+        qi = q[start:end].view(1, n, num_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(1, 2).reshape(n, num_heads * head_dim)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

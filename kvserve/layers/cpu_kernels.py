@@ -58,7 +58,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, ctypes.c_int]),
     "rope_write_kv": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]),
     "decode_step": (ctypes.c_int, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
-                    + [_I64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, _I64]),
+                    + [_I64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, _I64]),
 }
 
 
@@ -81,6 +81,8 @@ def build_library(arch: str, compiler: str | None = None) -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for name, flags in sorted(_SOURCES.items()):
         digest.update((_CSRC / name).read_bytes() + " ".join(flags).encode())
+    for header in sorted(_CSRC.glob("*.h")):  # included by the sources
+        digest.update(header.read_bytes())
     digest.update(" ".join([arch, path, *_COMMON]).encode())
     lib_path = cache_dir() / "kernels" / f"kvserve_cpu-{digest.hexdigest()[:16]}.so"
     if not lib_path.exists():
@@ -249,24 +251,26 @@ def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Ten
     """Every decoder layer of a pure-decode step, then the final norm, in one native call.
 
     Args:
-        x: ``[M, H]`` float32 embeddings of the M decode tokens (one per sequence); used as scratch.
-        layer_ptrs: ``[num_layers, 9]`` int64 addresses (see ``decode_step.c``): float32 norm weights and
-            bias, float32 or bfloat16 projection weights (``weights_bf16``), float32 K/V caches.
-        final_norm: ``[H]`` float32. positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables
+        x: ``[M, H]`` float32 or bfloat16 embeddings of the M decode tokens (one per sequence), contiguous;
+            its dtype is the activations' (used as scratch).
+        layer_ptrs: ``[num_layers, 9]`` int64 addresses (see ``decode_step.c``): norm weights in x's dtype,
+            float32 biases, float32 or bfloat16 projection weights (``weights_bf16``), K/V caches in x's dtype.
+        final_norm: ``[H]`` in x's dtype. positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables
             ``[M, max_blocks]`` int64. cos, sin: ``[max_position, head_dim]`` float32.
     Returns:
-        ``[M, H]`` float32: the final norm's output, bitwise the per-op path's.
+        ``[M, H]`` in x's dtype: the final norm's output, bitwise the per-op path's.
     Raises:
         RuntimeError: the kernels are unavailable, or scratch memory could not be allocated.
     """
     m, h = x.shape
+    assert x.is_contiguous() and final_norm.dtype == x.dtype
     out = torch.empty_like(x)
     block_tables = block_tables.contiguous()
     rc = _lib().decode_step(
         x.data_ptr(), out.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
         positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         block_tables.shape[1], block_size, cos.data_ptr(), sin.data_ptr(), m, h, num_heads, num_kv_heads,
-        head_dim, intermediate_size, eps, scale, int(weights_bf16), torch.get_num_threads())
+        head_dim, intermediate_size, eps, scale, int(weights_bf16), _bf16_flag(x), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"decode_step failed with code {rc}")
     return out

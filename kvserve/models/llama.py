@@ -66,7 +66,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if use_native(gate_up):
+        if gate_up.shape[0] <= SMALL_M_MAX and use_native(gate_up):
+            # decode: one call instead of three ops; prefill-sized inputs take torch's vectorized SiLU
+            # (5x faster than this scalar loop at 2,048 bf16 rows), which computes the same values
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -114,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
         # off to compare with the per-layer path.
         self.fuse_decode = True
         self._layer_ptrs: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._layer_keepalive: list[torch.Tensor] = []
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -130,12 +133,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _can_fuse_decode(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                          meta: AttentionMetadata) -> bool:
-        """A pure-decode CPU step in float32 activations over a float32 cache, small enough for the
-        small-M kernels: ``decode_step.c`` runs it whole (the per-layer path below is its reference)."""
+        """A pure-decode CPU step (float32 or bfloat16 activations over a cache of the same dtype), small
+        enough for the small-M kernels: ``decode_step.c`` runs it whole (the per-layer path below is its
+        reference, bitwise)."""
         return (meta.native_decode is not None and meta.num_decode_tokens == x.shape[0] <= SMALL_M_MAX
-                and not meta.prefill_groups and x.dtype == torch.float32 and use_native(x)
-                and kv_caches[0][0].dtype == torch.float32 and self.fuse_decode
-                and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
+                and not meta.prefill_groups and use_native(x) and kv_caches[0][0].dtype == x.dtype
+                and self.fuse_decode and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
 
     def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -143,15 +146,20 @@ class LlamaForCausalLM(nn.Module):
         key = (kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._layer_ptrs is None or self._layer_ptrs[0] != key:
             rows = []
+            biases: list[torch.Tensor] = []  # float32 copies the pointers refer to, kept alive below
             layers = cast(list[DecoderLayer], list(self.layers))
             for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
                 attn, mlp = layer.self_attn, layer.mlp
-                bias = attn.qkv_proj.bias
+                bias: torch.Tensor | None = attn.qkv_proj.bias
+                if bias is not None:  # the kernel takes float32 biases (as Linear passes them)
+                    bias = bias.detach().float()
+                    biases.append(bias)
                 rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.weight.data_ptr(),
                              0 if bias is None else bias.data_ptr(), attn.o_proj.weight.data_ptr(),
                              layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
                              mlp.down_proj.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()])
             self._layer_ptrs = (key, torch.tensor(rows, dtype=torch.int64))
+            self._layer_keepalive = biases
         cfg = self.config
         block_tables, seq_lens = meta.native_decode
         return cpu_kernels.decode_step(

@@ -85,12 +85,14 @@ def _prefill_group(lo: int, hi: int, n: np.ndarray, c: np.ndarray, bt: np.ndarra
     nb = -(-int((cp + q_lens).max()) // bs)
     first, last = int(starts[lo]), int(starts[hi - 1] + n[hi - 1])
     pad_index = (req_idx[first:last] - lo) * max_q + offsets[first:last]
-    mask = None
-    if cp.any():  # causal with an offset, as an additive mask
+    mask, bounds = None, list[tuple[int, int]]()
+    if not cp.any():  # fresh prompts: attended one by one, unpadded (see PrefillGroup.bounds)
+        bounds = list(zip(starts[lo:hi].tolist(), (starts[lo:hi] + q_lens).tolist(), strict=True))
+    else:  # causal with an offset, as an additive mask
         qi = np.arange(max_q)[None, :, None]  # query index within the chunk
         kj = np.arange(nb * bs)[None, None, :]
         allowed = (kj <= cp[:, None, None] + qi) & (qi < q_lens[:, None, None])
         allowed[:, :, 0] |= np.arange(max_q)[None, :] >= q_lens[:, None]  # padded rows: key 0 (no NaN)
         mask = torch.from_numpy(np.where(allowed, np.float32(0), np.float32(-np.inf))[:, None]).to(dev)
     return PrefillGroup(first, last, torch.from_numpy(np.ascontiguousarray(bt[lo:hi, :nb])).to(dev),
-                        torch.from_numpy(pad_index).to(dev), max_q, mask)
+                        torch.from_numpy(pad_index).to(dev), max_q, mask, bounds)

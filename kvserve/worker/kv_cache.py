@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.models.registry import ModelArchConfig
+from kvserve.worker.host_memory import hugepages_enabled, pack_tensors
 
 GiB = 1 << 30
 
@@ -28,8 +29,13 @@ def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, d
     """Per layer (k_cache, v_cache), each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     Zero-filled: padded attention reads masked slots, and masked garbage could be NaN (0 × NaN = NaN).
+    On CPU the caches lie in transparent huge pages (``host_memory``).
     """
     shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    if hugepages_enabled(device):  # decode attention streams the cache: huge pages, as the weights
+        n = arch.num_hidden_layers
+        caches = pack_tensors([torch.zeros((), dtype=dtype).expand(shape)] * (2 * n))
+        return [(caches[2 * i], caches[2 * i + 1]) for i in range(n)]
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(arch.num_hidden_layers)]
 

@@ -24,6 +24,7 @@ from kvserve.sample.logits_processor import LogitsProcessors
 from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.sample.token_constraints import TokenConstraints
 from kvserve.sampling_params import SamplingParams
+from kvserve.worker.host_memory import move_parameters_to_hugepages
 from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
 from kvserve.worker.prompt_logprobs import compute_prompt_logprobs
@@ -55,6 +56,7 @@ def build_model(arch: ModelArchConfig, weights: dict[str, torch.Tensor], max_pos
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.reset_tables()
     model.load_weights(weights)
+    move_parameters_to_hugepages(model)  # CPU: weights streamed at bandwidth (host_memory.py)
     return model.eval()
 
 

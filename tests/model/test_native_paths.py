@@ -120,12 +120,18 @@ def test_kv_cache_dtype_flag_is_validated() -> None:
         EngineConfig(kv_cache_dtype="fp8")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,activations", [("float32", "float32"), ("bfloat16", "float32"),
+                                               ("bfloat16", "bfloat16")])
 @pytest.mark.parametrize("num_seqs", [1, 3])
 def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]],
-                                                 dtype: str, num_seqs: int) -> None:
+                                                 dtype: str, activations: str, num_seqs: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """``decode_step.c`` chains the same kernels as the per-layer path: the final hidden states are
-    bitwise equal (fp32 weights, and bf16 weights under fp32 activations)."""
+    bitwise equal (fp32 weights; bf16 weights under fp32 activations, as on CPUs without bf16 dot
+    products; bf16 weights, activations and KV cache, as on AVX512-BF16 hosts: forced here by the flags
+    the dtype choice sees, so it runs on every host; the GEMM then takes whichever bf16 path the host has)."""
+    if activations == "bfloat16":
+        monkeypatch.setenv("KVSERVE_CPU_FLAGS", "avx2 fma avx512_bf16")
     if not cpu_kernels.native_available():
         pytest.skip("no C compiler: native kernels unbuilt")
     from kvserve.core.request import Request
@@ -133,8 +139,9 @@ def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[li
     from kvserve.worker.input_batch import prepare_inputs
 
     path, _, _ = tiny_qwen2
-    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype=dtype, kv_cache_dtype="float32")
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype=dtype, kv_cache_dtype=activations)
     runner, model = llm.engine.runner, llm.engine.runner.model
+    assert model.compute_dtype == getattr(torch, activations)
     bs, cpu = runner.block_size, torch.device("cpu")
     lens = [5, 17, 30][:num_seqs]
     tables, next_block = [], 0
@@ -153,8 +160,9 @@ def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[li
         model(ids, pos, runner.kv_caches, meta)
         decode = [scheduled(n, 1, t) for n, t in zip(lens, tables, strict=True)]
         ids, pos, meta, _ = prepare_inputs(decode, len(decode), bs, cpu, native_decode=True)
-        assert model._can_fuse_decode(model.embed_tokens(ids).float(), runner.kv_caches, meta)
+        assert model._can_fuse_decode(model.embed_tokens(ids).to(model.compute_dtype), runner.kv_caches, meta)
         fused = model(ids, pos, runner.kv_caches, meta)
         model.fuse_decode = False
         per_layer = model(ids, pos, runner.kv_caches, meta)
+    assert fused.dtype == per_layer.dtype == model.compute_dtype
     assert torch.equal(fused, per_layer)

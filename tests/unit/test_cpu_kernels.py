@@ -173,3 +173,39 @@ def test_disabled_native_path_serves_the_torch_kernels() -> None:
                           "print(cpu_kernels.native_available(), linear.use_native(x))"],
                          capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_fused_ops_split_rows_over_threads_bitwise(dtype: torch.dtype) -> None:
+    """Prefill-sized inputs (above PARALLEL_MIN elements) are split over OpenMP threads by row: the results
+    are bitwise those of one thread (each row is computed the same way), for norm, SiLU·mul and RoPE."""
+    g = torch.Generator().manual_seed(11)
+    m, h, f, hq, hk, d = 300, 576, 1536, 9, 3, 64
+    weight = torch.randn(h, generator=g).to(dtype)
+    x, r = torch.randn(m, h, generator=g).to(dtype), torch.randn(m, h, generator=g).to(dtype)
+    gate_up = torch.randn(m, 2 * f, generator=g).to(dtype)
+    rotary = RotaryEmbedding(d, 512, 10000.0)
+    qkv = torch.randn(m, (hq + 2 * hk) * d, generator=g).to(dtype)
+    positions, slots = torch.arange(m) % 512, torch.randperm(m, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        res = r.clone()
+        normed = cpu_kernels.add_rms_norm(x, res, weight, 1e-5)
+        q = qkv.clone()
+        kc, vc = torch.zeros(m, 1, hk, d, dtype=dtype), torch.zeros(m, 1, hk, d, dtype=dtype)
+        cpu_kernels.rope_write_kv(q, positions, rotary.cos, rotary.sin, kc, vc, slots, hq, hk, d)
+        return [normed, res, cpu_kernels.silu_mul(gate_up), q, kc, vc]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
+    torch.testing.assert_close(two[2], F.silu(gate) * up, **tol)

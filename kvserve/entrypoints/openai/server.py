@@ -243,10 +243,10 @@ def build_context(args: argparse.Namespace) -> ServerContext:
     Raises:
         ModelNotFoundError, InvalidRequestError: a bad model or engine flag.
     """
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.async_llm import build_engine_off_main_thread
 
     config = EngineConfig.from_cli_args(args)
-    engine = LLMEngine(config)
+    engine = build_engine_off_main_thread(config)  # (keeps the main thread free of OpenMP teams)
     name = config.served_model_name or config.model
     tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_path(engine.model_path)
     if tokenizer is not None and args.chat_template is not None:

@@ -1,5 +1,5 @@
-/* A whole decode step of a Llama-family decoder in one call (float32 activations; float32 or bfloat16
- * weights; float32 KV cache): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
+/* A whole decode step of a Llama-family decoder in one call (float32 or bfloat16 activations and KV cache;
+ * float32 or bfloat16 weights): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
  *
  * Why: at batch 1 a step is ~300 kernel calls of 20-100 us each. Called one by one from Python, each pays
  * the interpreter's and ctypes' overhead and restarts the memory pipeline (the hardware prefetchers lose
@@ -16,11 +16,13 @@
  * and after the last layer: out = rms_norm(res += x).
  *
  * layer_ptrs: [num_layers, 9] int64 addresses: input_norm_w, qkv_w, qkv_b (0: none), o_w,
- * post_norm_w, gate_up_w, down_w, k_cache, v_cache. Norm weights and biases are float32.
+ * post_norm_w, gate_up_w, down_w, k_cache, v_cache.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 
 int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *out,
                int64_t M, int64_t N, int64_t K, int64_t num_threads);
@@ -39,43 +41,58 @@ enum { P_IN_NORM, P_QKV_W, P_QKV_B, P_O_W, P_POST_NORM, P_GATE_UP_W, P_DOWN_W, P
 
 #define PTR(l, i) ((void *)(intptr_t)layer_ptrs[(l) * P_COUNT + (i)])
 
-/* x: [M, H] float32 embeddings (overwritten: used as scratch); out: [M, H] float32 final normed hidden.
+/* x: [M, H] embeddings in the activation dtype (act_bf16: bfloat16, else float32), overwritten (scratch);
+ * out: [M, H] final normed hidden, activation dtype. Norm weights have the activation dtype, biases are
+ * float32, projection weights float32 or bfloat16 (w_bf16), K/V caches the activation dtype. As in the
+ * per-op path, attention takes q widened to float32 and its output is rounded to the activation dtype.
  * Returns 0, or -1 when scratch memory could not be allocated or a kernel failed. */
-int decode_step(float *x, float *out, const int64_t *layer_ptrs, int64_t num_layers, const float *final_norm,
+int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layers, const void *final_norm,
                 const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_tables,
                 const int64_t *seq_lens, int64_t max_blocks, int64_t block_size, const float *cos_table,
                 const float *sin_table, int64_t M, int64_t H, int64_t Hq, int64_t Hk, int64_t D, int64_t F,
-                float eps, float scale, int w_bf16, int64_t num_threads) {
+                float eps, float scale, int w_bf16, int act_bf16, int64_t num_threads) {
     const int64_t qkv_n = (Hq + 2 * Hk) * D, q_n = Hq * D;
-    float *res = (float *)malloc(sizeof(float) * (size_t)(M * H));
-    float *h = (float *)malloc(sizeof(float) * (size_t)(M * H));
-    float *qkv = (float *)malloc(sizeof(float) * (size_t)(M * qkv_n));
+    const size_t esz = act_bf16 ? 2 : 4;
+    void *res = malloc(esz * (size_t)(M * H));
+    void *h = malloc(esz * (size_t)(M * H));
+    void *qkv = malloc(esz * (size_t)(M * qkv_n));
     float *q = (float *)malloc(sizeof(float) * (size_t)(M * q_n));
-    float *attn = (float *)malloc(sizeof(float) * (size_t)(M * q_n));
-    float *gu = (float *)malloc(sizeof(float) * (size_t)(M * 2 * F));
-    float *act = (float *)malloc(sizeof(float) * (size_t)(M * F));
-    int rc = (res && h && qkv && q && attn && gu && act) ? 0 : -1;
+    float *attn32 = (float *)malloc(sizeof(float) * (size_t)(M * q_n));
+    void *attn = act_bf16 ? malloc(esz * (size_t)(M * q_n)) : (void *)attn32;
+    void *gu = malloc(esz * (size_t)(M * 2 * F));
+    void *act = malloc(esz * (size_t)(M * F));
+    int rc = (res && h && qkv && q && attn32 && attn && gu && act) ? 0 : -1;
     for (int64_t l = 0; l < num_layers && rc == 0; l++) {
         if (l == 0) { /* the embeddings start the residual stream */
-            memcpy(res, x, sizeof(float) * (size_t)(M * H));
-            add_rms_norm(x, NULL, PTR(l, P_IN_NORM), h, M, H, eps, 0);
+            memcpy(res, x, esz * (size_t)(M * H));
+            add_rms_norm(x, NULL, PTR(l, P_IN_NORM), h, M, H, eps, act_bf16);
         } else {
-            add_rms_norm(x, res, PTR(l, P_IN_NORM), h, M, H, eps, 0);
+            add_rms_norm(x, res, PTR(l, P_IN_NORM), h, M, H, eps, act_bf16);
         }
-        rc |= small_gemm(h, 0, PTR(l, P_QKV_W), w_bf16, (const float *)PTR(l, P_QKV_B), qkv, M, qkv_n, H,
+        rc |= small_gemm(h, act_bf16, PTR(l, P_QKV_W), w_bf16, (const float *)PTR(l, P_QKV_B), qkv, M, qkv_n, H,
                          num_threads);
         rope_write_kv(qkv, qkv_n, positions, cos_table, sin_table, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE),
-                      slot_mapping, M, Hq, Hk, D, 0);
-        for (int64_t m = 0; m < M; m++) memcpy(q + m * q_n, qkv + m * qkv_n, sizeof(float) * (size_t)q_n);
-        rc |= paged_decode_attention(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), 0, block_tables, seq_lens, attn,
-                                     M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
-        rc |= small_gemm(attn, 0, PTR(l, P_O_W), w_bf16, NULL, x, M, H, q_n, num_threads);
-        add_rms_norm(x, res, PTR(l, P_POST_NORM), h, M, H, eps, 0);
-        rc |= small_gemm(h, 0, PTR(l, P_GATE_UP_W), w_bf16, NULL, gu, M, 2 * F, H, num_threads);
-        silu_mul(gu, act, M, F, 0);
-        rc |= small_gemm(act, 0, PTR(l, P_DOWN_W), w_bf16, NULL, x, M, H, F, num_threads);
+                      slot_mapping, M, Hq, Hk, D, act_bf16);
+        for (int64_t m = 0; m < M; m++) {
+            if (act_bf16) {
+                const uint16_t *src = (const uint16_t *)qkv + m * qkv_n;
+                for (int64_t i = 0; i < q_n; i++) q[m * q_n + i] = bf16_widen(src[i]);
+            } else {
+                memcpy(q + m * q_n, (const float *)qkv + m * qkv_n, sizeof(float) * (size_t)q_n);
+            }
+        }
+        rc |= paged_decode_attention(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), act_bf16, block_tables, seq_lens,
+                                     attn32, M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
+        if (act_bf16)
+            for (int64_t i = 0; i < M * q_n; i++) ((uint16_t *)attn)[i] = bf16_narrow(attn32[i]);
+        rc |= small_gemm(attn, act_bf16, PTR(l, P_O_W), w_bf16, NULL, x, M, H, q_n, num_threads);
+        add_rms_norm(x, res, PTR(l, P_POST_NORM), h, M, H, eps, act_bf16);
+        rc |= small_gemm(h, act_bf16, PTR(l, P_GATE_UP_W), w_bf16, NULL, gu, M, 2 * F, H, num_threads);
+        silu_mul(gu, act, M, F, act_bf16);
+        rc |= small_gemm(act, act_bf16, PTR(l, P_DOWN_W), w_bf16, NULL, x, M, H, F, num_threads);
     }
-    if (rc == 0) add_rms_norm(x, res, final_norm, out, M, H, eps, 0);
-    free(res), free(h), free(qkv), free(q), free(attn), free(gu), free(act);
+    if (rc == 0) add_rms_norm(x, res, final_norm, out, M, H, eps, act_bf16);
+    if (act_bf16) free(attn);
+    free(res), free(h), free(qkv), free(q), free(attn32), free(gu), free(act);
     return rc ? -1 : 0;
 }

@@ -18,91 +18,92 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
+/* Elements below which an op stays on the calling thread (a decode step's rows: the parallel region
+ * would cost more than the work); above it (prefill chunks) OpenMP splits the rows. Rows are
+ * independent and each is computed exactly as on one thread, so results do not depend on threads. */
+#define PARALLEL_MIN 65536
+
 __attribute__((simd("notinbranch"))) float expf(float);
 
 static inline float ld(const void *p, int64_t i, int bf16) {
-    if (bf16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
-static inline float round_bf16(float f) { /* float32 -> nearest-even bfloat16, as a float32 */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) u |= 0x400000u;
-    else u += 0x7fffu + ((u >> 16) & 1u);
-    u &= 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
+    return bf16 ? bf16_widen(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline void st(void *p, int64_t i, float f, int bf16) {
-    if (bf16) {
-        uint32_t u;
-        f = round_bf16(f);
-        memcpy(&u, &f, 4);
-        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-    } else {
-        ((float *)p)[i] = f;
-    }
+    if (bf16) ((uint16_t *)p)[i] = bf16_narrow(f);
+    else ((float *)p)[i] = f;
 }
 
 /* x, residual, out: [M, H]; weight: [H] (activation dtype). residual may be NULL (no add: the first
  * layer's input). With a residual: residual <- residual + x (rounded to the dtype, as torch's add), and
  * the norm is taken of the new residual. */
+static inline __attribute__((always_inline)) void add_rms_norm_row(const void *x, void *residual,
+                                                                    const void *weight, void *out, int64_t m,
+                                                                    int64_t H, float eps, const int bf16) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; i++) {
+        float v = ld(x, m * H + i, bf16);
+        if (residual) {
+            v = v + ld(residual, m * H + i, bf16);
+            if (bf16) v = bf16_round(v);
+            st(residual, m * H + i, v, bf16);
+        }
+        ss += v * v;
+    }
+    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+    const void *src = residual ? residual : x;
+    for (int64_t i = 0; i < H; i++) {
+        float v = ld(src, m * H + i, bf16) * inv;
+        if (bf16) v = bf16_round(v);
+        st(out, m * H + i, ld(weight, i, bf16) * v, bf16);
+    }
+}
+
 void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t M, int64_t H,
                   float eps, int bf16) {
+    /* rows are independent: threads split them (prefill); a decode step's few rows stay on one thread */
+#pragma omp parallel for schedule(static) if (M * H >= PARALLEL_MIN)
     for (int64_t m = 0; m < M; m++) {
-        float ss = 0.f;
-        for (int64_t i = 0; i < H; i++) {
-            float v = ld(x, m * H + i, bf16);
-            if (residual) {
-                v = v + ld(residual, m * H + i, bf16);
-                if (bf16) v = round_bf16(v);
-                st(residual, m * H + i, v, bf16);
-            }
-            ss += v * v;
-        }
-        const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        const void *src = residual ? residual : x;
-        for (int64_t i = 0; i < H; i++) {
-            float v = ld(src, m * H + i, bf16) * inv;
-            if (bf16) v = round_bf16(v);
-            st(out, m * H + i, ld(weight, i, bf16) * v, bf16);
-        }
+        if (bf16) add_rms_norm_row(x, residual, weight, out, m, H, eps, 1);
+        else add_rms_norm_row(x, residual, weight, out, m, H, eps, 0);
     }
 }
 
 /* gate_up: [M, 2F]; out: [M, F]. silu(g) = g / (1 + exp(-g)); torch rounds silu(g) to the dtype before
  * the multiply. */
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gate_up, void *out, int64_t m,
+                                                                int64_t F, const int bf16) {
+    for (int64_t i = 0; i < F; i++) {
+        const float g = ld(gate_up, m * 2 * F + i, bf16);
+        float s = g / (1.f + expf(-g));
+        if (bf16) s = bf16_round(s);
+        st(out, m * F + i, s * ld(gate_up, m * 2 * F + F + i, bf16), bf16);
+    }
+}
+
 void silu_mul(const void *gate_up, void *out, int64_t M, int64_t F, int bf16) {
+#pragma omp parallel for schedule(static) if (M * F >= PARALLEL_MIN)
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t i = 0; i < F; i++) {
-            const float g = ld(gate_up, m * 2 * F + i, bf16);
-            float s = g / (1.f + expf(-g));
-            if (bf16) s = round_bf16(s);
-            st(out, m * F + i, s * ld(gate_up, m * 2 * F + F + i, bf16), bf16);
-        }
+        if (bf16) silu_mul_row(gate_up, out, m, F, 1);
+        else silu_mul_row(gate_up, out, m, F, 0);
     }
 }
 
 /* One head vector of D values rotated in place: out[i] = x[i]*cos[i] - x[i+D/2]*sin[i],
  * out[i+D/2] = x[i+D/2]*cos[i+D/2] + x[i]*sin[i+D/2]. cos/sin rows are float32 [D] (cast to the dtype
  * first, as the reference casts its tables; the products and the sum are rounded as torch rounds them). */
-static inline void rope_vec(void *x, int64_t off, const float *c, const float *s, int64_t D, int bf16) {
+static inline __attribute__((always_inline)) void rope_vec(void *x, int64_t off, const float *c, const float *s, int64_t D, int bf16) {
     const int64_t h = D / 2;
     for (int64_t i = 0; i < h; i++) {
         const float a = ld(x, off + i, bf16), b = ld(x, off + i + h, bf16);
         float c0 = c[i], s0 = s[i], c1 = c[i + h], s1 = s[i + h];
         float r0, r1;
         if (bf16) {
-            c0 = round_bf16(c0), s0 = round_bf16(s0), c1 = round_bf16(c1), s1 = round_bf16(s1);
-            r0 = round_bf16(round_bf16(a * c0) + round_bf16(-b * s0));
-            r1 = round_bf16(round_bf16(b * c1) + round_bf16(a * s1));
+            c0 = bf16_round(c0), s0 = bf16_round(s0), c1 = bf16_round(c1), s1 = bf16_round(s1);
+            r0 = bf16_round(bf16_round(a * c0) + bf16_round(-b * s0));
+            r1 = bf16_round(bf16_round(b * c1) + bf16_round(a * s1));
         } else {
             r0 = a * c0 - b * s0;
             r1 = b * c1 + a * s1;
@@ -119,10 +120,14 @@ void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, cons
                    const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
                    int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16) {
     const size_t esz = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (T * row_stride >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
         const int64_t base = t * row_stride;
-        for (int64_t h = 0; h < Hq + Hk; h++) rope_vec(qkv, base + h * D, c, s, D, bf16);
+        for (int64_t h = 0; h < Hq + Hk; h++) {
+            if (bf16) rope_vec(qkv, base + h * D, c, s, D, 1);
+            else rope_vec(qkv, base + h * D, c, s, D, 0);
+        }
         const char *row = (const char *)qkv + (size_t)base * esz;
         const size_t kv_bytes = (size_t)(Hk * D) * esz;
         memcpy((char *)k_cache + (size_t)slot_mapping[t] * kv_bytes, row + (size_t)(Hq * D) * esz, kv_bytes);

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -33,13 +35,6 @@ typedef struct {
     int64_t num_seqs, num_kv_heads, group, head_dim, block_size, max_blocks;
     float scale;
 } job_t;
-
-static inline float widen_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* The hot loops with head_dim and the cache type known at compile time (so they vectorize fully);
  * D = 0 means "any". Loops run over the blocks of the table (no division per key); each K and V row
@@ -92,7 +87,7 @@ static void NAME(const job_t *j, int64_t item, float *scores) {                 
 }
 
 #define LOAD_F32(x) (x)
-#define LOAD_BF16(x) widen_bf16(x)
+#define LOAD_BF16(x) bf16_widen(x)
 DEFINE_ITEM(item_f32_d64, 64, float, LOAD_F32)
 DEFINE_ITEM(item_f32_d128, 128, float, LOAD_F32)
 DEFINE_ITEM(item_f32_any, 0, float, LOAD_F32)

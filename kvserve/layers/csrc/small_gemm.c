@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -49,6 +51,10 @@
 #ifndef PREFETCH
 #define PREFETCH 8192
 #endif
+/* The same for the single-stream row loops (gemm_dpbf16). */
+#ifndef PREFETCH_ROW
+#define PREFETCH_ROW 4096
+#endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
@@ -65,21 +71,6 @@ static inline __attribute__((always_inline)) vf load_bf16(const uint16_t *p) {
     memcpy(&h, p, sizeof h);
     vu u = __builtin_convertvector(h, vu) << 16;
     return (vf)u;
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet (as torch) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 static inline float hsum(vf v) {
@@ -114,7 +105,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const voi
         for (int m = 0; m < mt; m++) {
             float s = hsum(acc[r][m]);
             for (int64_t kk = k; kk < K; kk++) {
-                float wk = wbf16 ? bf16_to_f32(wh[(wn0 + r) * K + kk]) : wf[(wn0 + r) * K + kk];
+                float wk = wbf16 ? bf16_widen(wh[(wn0 + r) * K + kk]) : wf[(wn0 + r) * K + kk];
                 s += wk * x[(m0 + m) * K + kk];
             }
             out[(m0 + m) * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.f);
@@ -151,7 +142,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const float *x, cons
     for (int r = 0; r < nr; r++) {
         for (int m = 0; m < mt; m++) {
             float s = hsum(acc[r][m]);
-            for (int64_t kk = k; kk < K; kk++) s += bf16_to_f32(w[(n0 + r) * K + kk]) * x[(m0 + m) * K + kk];
+            for (int64_t kk = k; kk < K; kk++) s += bf16_widen(w[(n0 + r) * K + kk]) * x[(m0 + m) * K + kk];
             out[(m0 + m) * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.f);
         }
     }
@@ -202,31 +193,51 @@ static void gemm_f32x(const float *x, const float *xp, const void *w, int wbf16,
 }
 
 #if defined(__AVX512BF16__)
-/* bf16 x bf16 -> fp32 with vdpbf16ps: 32 bf16 pairs per instruction, K padded by masking. */
+/* bf16 x bf16 -> fp32 with vdpbf16ps, one weight row at a time for up to 4 tokens (8 accumulators: two
+ * per token, 64 bf16 per step). Rows are streamed one after the other, each thread over a contiguous
+ * range of rows, so the weights are read as one sequential stream per thread: measured on Zen 4 this
+ * reads at the machine's bandwidth where 4 interleaved row streams (the tile loops above) reach ~45 % of
+ * it. A token group past the first re-reads the row (<= a few KiB) from L1. K's tail is masked. */
+static inline __attribute__((always_inline)) void row_dpbf16(const uint16_t *xh, const uint16_t *wr, int64_t K,
+                                                             int64_t m0, int mt, float *acc_out) {
+    __m512 a0[4], a1[4];
+    for (int m = 0; m < mt; m++) a0[m] = _mm512_setzero_ps(), a1[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW);
+        __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW + 64);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+        for (int m = 0; m < mt; m++) {
+            const uint16_t *xr = xh + (m0 + m) * K + k;
+            a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(xr));
+            a1[m] = _mm512_dpbf16_ps(a1[m], w1, (__m512bh)_mm512_loadu_si512(xr + 32));
+        }
+    }
+    for (; k < K; k += 32) {
+        const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr + k);
+        for (int m = 0; m < mt; m++)
+            a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_maskz_loadu_epi16(mask, xh + (m0 + m) * K + k));
+    }
+    for (int m = 0; m < mt; m++) acc_out[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+
 static void gemm_dpbf16(const uint16_t *xh, const uint16_t *w, const float *bias, float *out, int64_t M,
                         int64_t N, int64_t K, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n0 = 0; n0 < N; n0 += R) {
-        const int nr = N - n0 < R ? (int)(N - n0) : R;
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *wr = w + n * K;
+        const float b = bias ? bias[n] : 0.f;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int mt = M - m0 < 4 ? (int)(M - m0) : 4;
-            __m512 acc[R][4];
-            for (int r = 0; r < R; r++)
-                for (int m = 0; m < 4; m++) acc[r][m] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 32) {
-                const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
-                __m512bh wv[R];
-                for (int r = 0; r < R; r++)
-                    wv[r] = r < nr ? (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + r) * K + k)
-                                   : (__m512bh)_mm512_setzero_si512();
-                for (int m = 0; m < mt; m++) {
-                    __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xh + (m0 + m) * K + k);
-                    for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
-                }
+            float acc[4];
+            const int64_t mt = M - m0 < 4 ? M - m0 : 4;
+            switch (mt) {
+            case 1: row_dpbf16(xh, wr, K, m0, 1, acc); break;
+            case 2: row_dpbf16(xh, wr, K, m0, 2, acc); break;
+            case 3: row_dpbf16(xh, wr, K, m0, 3, acc); break;
+            default: row_dpbf16(xh, wr, K, m0, 4, acc); break;
             }
-            for (int r = 0; r < nr; r++)
-                for (int m = 0; m < mt; m++)
-                    out[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[n0 + r] : 0.f);
+            for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n] = acc[m] + b;
         }
     }
 }
@@ -252,7 +263,7 @@ int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float
             scratch = (float *)malloc(sizeof(float) * (size_t)(M * K));
             if (scratch == NULL) { free(out_f); return -1; }
             const uint16_t *xh = (const uint16_t *)x;
-            for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_to_f32(xh[i]);
+            for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_widen(xh[i]);
             xf = scratch;
         }
         float *xp = NULL; /* x permuted for the bf16-weight tiles (see tile_bf16) */
@@ -275,7 +286,7 @@ convert_out:
 #endif
     if (x_bf16) {
         uint16_t *oh = (uint16_t *)out;
-        for (int64_t i = 0; i < M * N; i++) oh[i] = f32_to_bf16(out_f[i]);
+        for (int64_t i = 0; i < M * N; i++) oh[i] = bf16_narrow(out_f[i]);
         free(out_f);
     }
     return 0;
