@@ -295,7 +295,9 @@ class AsyncLLM:
         engine = self.engine
         import torch  # (the module itself stays importable without torch)
 
-        torch.set_num_threads(engine.num_threads)  # OpenMP's count is per calling thread
+        num_threads = getattr(engine, "num_threads", None)  # (an engine double may not say)
+        if num_threads:
+            torch.set_num_threads(num_threads)  # OpenMP's count is per calling thread
         try:
             while True:
                 with self._cond:

@@ -59,6 +59,8 @@ class FakeEngine:
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.crash = False
         self.wakeups = 0
+        self.structured_outputs = None  # no grammar backend (requests without structured output only)
+        self.num_threads = 1
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *args: Any) -> str:
         ids = prompt["prompt_token_ids"]
