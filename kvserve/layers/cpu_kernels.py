@@ -1,10 +1,12 @@
 """Native CPU kernels, compiled on first use with the system C compiler and called through ctypes.
 
-Four sources under ``csrc/`` build one shared library:
+Five sources under ``csrc/`` build one shared library:
 
 * ``small_gemm.c``: the linear layers and the LM head at small M (decode): weights streamed at the memory
   bandwidth, float32 or bfloat16 weights, AVX2/AVX-512 FMA or AVX512-BF16 dot products;
 * ``paged_attention.c``: decode attention reading K/V in place from the paged cache (float32 or bfloat16);
+* ``prefill_attention.c``: prefill attention (fresh prompts and chunks continuing a cached prefix) over
+  the paged cache in place, flash-attention style; AVX512-BF16 dot products on bf16 inputs where available;
 * ``fused_ops.c``: RMSNorm + residual add, SiLU·mul, rotary + KV-cache write, one call each;
 * ``decode_step.c``: all layers of a pure-decode step in one call, chaining the kernels above (no Python
   between kernels: at batch 1 the gaps cost ~30 % of the step).
@@ -44,6 +46,7 @@ _SOURCES = {  # file -> its own flags (fast-math only where reductions must reor
     "paged_attention.c": ["-ffast-math", "-fno-finite-math-only"],
     "fused_ops.c": ["-ffp-contract=off"],
     "decode_step.c": [],
+    "prefill_attention.c": ["-ffp-contract=fast"],  # (no fast-math: its exp rounds with the 1.5*2^23 trick)
 }
 _COMMON = ["-O3", "-fPIC", "-fopenmp"]
 _LIBS = ["-lm", "-lmvec"]
@@ -59,6 +62,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "rope_write_kv": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]),
     "decode_step": (ctypes.c_int, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
                     + [_I64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, _I64]),
+    "paged_prefill_attention": (ctypes.c_int, [_PTR, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR,
+                                               _PTR, _PTR, _I64, _I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64]),
+    "prefill_attention_features": (ctypes.c_int, []),
 }
 
 
@@ -273,4 +279,76 @@ def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Ten
         head_dim, intermediate_size, eps, scale, int(weights_bf16), _bf16_flag(x), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"decode_step failed with code {rc}")
+    return out
+
+
+def prefill_features(lib: ctypes.CDLL | None = None) -> set[str]:
+    """Paths compiled into ``prefill_attention.c``: ``"avx512"`` (512-bit vectors in the portable path) and
+    ``"avx512_bf16"`` (the ``vdpbf16ps`` path for bf16 queries over a bf16 cache); empty for AVX2/SSE2 builds."""
+    f = (lib or _lib()).prefill_attention_features()
+    return {name for bit, name in ((1, "avx512"), (2, "avx512_bf16")) if f & bit}
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                            offsets: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                            lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Causal attention of prefill chunks over the paged KV cache, read in place (flash-attention style).
+
+    Sequence ``s`` owns query rows ``q_start[s] .. q_start[s] + q_len[s] - 1``; its query ``i`` is at
+    position ``offsets[s] + i`` and attends keys ``0 .. offsets[s] + i`` of its cache blocks (``offsets``:
+    tokens cached before this chunk, 0 for a fresh prompt). This step's K/V must already be in the cache.
+    Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). Online softmax (Milakov &
+    Gimelshein 2018; Dao et al. 2022, FlashAttention): ``softmax(q k^T * scale) v`` without the score matrix.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` float32 or bfloat16, on CPU; rows may be strided (a view
+            into the fused QKV projection) but each row's heads must be contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, contiguous,
+            one dtype.
+        block_tables: ``[num_seqs, max_blocks]`` int64; entries past a sequence's keys are not read.
+        q_start, q_len, offsets: ``[num_seqs]`` int64.
+        scale: the softmax scale (``1 / sqrt(head_dim)``).
+        out: optional ``[num_tokens, num_heads * head_dim]`` contiguous tensor of q's dtype to write into
+            (rows no sequence owns are left as they are).
+        lib: a library from ``build_library`` (tests); default: the process's library.
+    Returns:
+        ``[num_tokens, num_heads * head_dim]`` in q's dtype (``out`` when given). Math in float32; with
+        bf16 q and cache on an AVX512-BF16 build, q.k and p.v are ``vdpbf16ps`` dot products (exact
+        products, float32 sums) with the probabilities p rounded to bf16, as flash-attention kernels do.
+    Raises:
+        RuntimeError: the kernels are unavailable, memory could not be allocated, or an argument is out of
+            range (rows past ``num_tokens``, keys past a block table, num_heads not a multiple of num_kv_heads).
+        TypeError: a dtype other than float32 / bfloat16, or k and v caches of different dtypes.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    q_bf16, kv_bf16 = _bf16_flag(q), _bf16_flag(k_cache)
+    if (cache_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise RuntimeError(f"paged_prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}"
+                           " (contiguous, num_heads a multiple of num_kv_heads)")
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    if out is None:
+        out = q.new_empty(num_tokens, num_heads * head_dim)
+    if out.shape != (num_tokens, num_heads * head_dim) or out.dtype != q.dtype or not out.is_contiguous():
+        raise RuntimeError(f"paged_prefill_attention: out must be a contiguous [{num_tokens}, {num_heads * head_dim}]"
+                           f" {q.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    block_tables = block_tables.contiguous()
+    q_start, q_len, offsets = q_start.contiguous(), q_len.contiguous(), offsets.contiguous()
+    num_seqs = q_start.shape[0]
+    if not (block_tables.dtype == q_start.dtype == q_len.dtype == offsets.dtype == torch.int64) or \
+            block_tables.shape[0] != num_seqs or q_len.shape[0] != num_seqs or offsets.shape[0] != num_seqs:
+        raise RuntimeError("paged_prefill_attention: block_tables [num_seqs, max_blocks] and q_start, q_len, "
+                           "offsets [num_seqs] must be int64")
+    rc = (lib or _lib()).paged_prefill_attention(
+        q.data_ptr(), q.stride(0), q_bf16, k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16, block_tables.data_ptr(),
+        block_tables.shape[1], q_start.data_ptr(), q_len.data_ptr(), offsets.data_ptr(), num_seqs, num_tokens,
+        out.data_ptr(), num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
+    if rc != 0:
+        reason = "out of memory" if rc == -1 else "an argument out of range"
+        raise RuntimeError(f"paged_prefill_attention failed ({reason}, code {rc})")
     return out
