@@ -181,7 +181,8 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Decode attention over the paged cache, one query token per sequence.
 
     Args:
@@ -189,12 +190,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, contiguous.
         block_tables: ``[num_seqs, max_blocks]`` int64 (entries past a sequence's length are ignored).
         seq_lens: ``[num_seqs]`` int64, keys attended per sequence (>= 1).
+        lib: a library from ``build_library`` (tests); default: the process's library.
     Returns:
         ``[num_seqs, num_kv_heads, group, head_dim]`` in q's dtype.
     Raises:
         RuntimeError: the kernel is unavailable (check ``native_available()`` first) or failed.
     """
-    lib = _lib()
+    lib = lib or _lib()
     q32 = q.float().contiguous()
     block_tables = block_tables.contiguous()
     seq_lens = seq_lens.contiguous()

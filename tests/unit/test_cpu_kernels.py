@@ -158,6 +158,47 @@ def test_paged_attention_bf16_cache_matches_float32_math(head_dim: int) -> None:
     assert cpu_kernels.paged_decode_attention(q.to(BF16), kc, vc, tables, lens, 0.125).dtype == BF16
 
 
+def _ref_decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
+                          lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 softmax(q k^T * scale) v per sequence, keys gathered through the block table."""
+    bs = kc.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        k = kc[tables[s]].reshape(-1, *kc.shape[2:])[:n].double()  # [n, H, D]
+        v = vc[tables[s]].reshape(-1, *vc.shape[2:])[:n].double()
+        assert k.shape[0] == n and tables.shape[1] * bs >= n
+        p = torch.softmax(torch.einsum("hgd,nhd->hgn", q[s].double(), k) * scale, dim=-1)
+        out[s] = torch.einsum("hgn,nhd->hgd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize(("head_dim", "num_kv_heads", "group", "block_size"),
+                         [(64, 3, 3, 16), (64, 2, 7, 5), (128, 2, 6, 16), (128, 1, 4, 7), (80, 2, 3, 16),
+                          (64, 9, 8, 16)])
+def test_paged_decode_attention_long_sequences(path: str, dtype: torch.dtype, head_dim: int, num_kv_heads: int,
+                                               group: int, block_size: int) -> None:
+    """Decode attention equals float64 math at lengths across the kernel's 16-key tiles and 256-key
+    partitions (1, 15, 16, 17, 255, 256, 257, 700), for scattered block tables; q both bf16-exact (the
+    AVX512-BF16 `vdpbf16ps` scores) and not. (64, 9, 8): 72 query heads, past the AVX-512 path's limit.
+    Tolerance: float32 accumulation over <= 700 keys (1e-5 relative, 1e-5 absolute on O(1) outputs)."""
+    lib = _lib_for(path)
+    g = torch.Generator().manual_seed(head_dim * 31 + group)
+    lens = torch.tensor([1, 15, 16, 17, 255, 256, 257, 700])
+    per = -(-int(lens.max()) // block_size)
+    num_blocks = len(lens) * per + 3
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[:len(lens) * per].view(len(lens), per)
+    for q in (torch.randn(len(lens), num_kv_heads, group, head_dim, generator=g),
+              torch.randn(len(lens), num_kv_heads, group, head_dim, generator=g).to(BF16).float()):
+        out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.125, lib=lib)
+        ref = _ref_decode_attention(q, kc, vc, tables, lens, 0.125)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_no_compiler_means_no_library_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     assert cpu_kernels.build_library("native", compiler="/nonexistent/cc") is None
     assert "no C compiler" in caplog.text
