@@ -75,6 +75,7 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
  * the multiply. */
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gate_up, void *out, int64_t m,
                                                                 int64_t F, const int bf16) {
+#pragma omp simd
     for (int64_t i = 0; i < F; i++) {
         const float g = ld(gate_up, m * 2 * F + i, bf16);
         float s = g / (1.f + expf(-g));
