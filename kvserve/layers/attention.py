@@ -11,6 +11,11 @@ A step's tokens are laid out decodes first, then prefill chunks::
     prefill group -> one batched SDPA over padded queries [P, max_q]: causal when no chunk has a cached
                      prefix, else with a causal-with-offset mask
 
+On CPU with the compiled kernels (float32 / bfloat16 activations and cache), every prefill chunk of the
+step instead goes to one call of ``paged_prefill_attention`` (``csrc/prefill_attention.c``), which reads
+K/V in place from the cache, causal with each chunk's offset, flash-attention style: ``native_prefill``
+replaces the prefill groups, and the torch path above stays the reference and the fallback.
+
 Decodes are sorted by length and split into a few buckets (at most ``MAX_DECODE_BUCKETS``), each padded
 only to its own longest sequence: K/V gathering and attention are memory-bound, and padding every
 request to the batch's longest would read up to ~2x the bytes. There is no Python loop over requests
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvserve.layers.cpu_kernels import paged_decode_attention
+from kvserve.layers.cpu_kernels import native_available, paged_decode_attention, paged_prefill_attention
 
 MAX_DECODE_BUCKETS = 4
 MIN_DECODE_BUCKET = 8  # requests; smaller buckets cost more in per-call overhead than padding saves
@@ -57,6 +62,27 @@ class PrefillGroup:
 
 
 @dataclass
+class NativePrefill:
+    """Every prefill chunk of a step, for the compiled kernel (``cpu_kernels.paged_prefill_attention``).
+
+    Attributes:
+        start, end: the chunks' tokens are ``[start, end)`` of the step (after the decodes).
+        block_tables: ``[P, max_blocks]`` int64, one row per chunk.
+        q_start: ``[P]`` int64 first token of each chunk, relative to ``start``.
+        q_len: ``[P]`` int64 tokens of each chunk.
+        offsets: ``[P]`` int64 tokens each request had in the cache before the chunk (0: a fresh prompt);
+            query ``i`` of a chunk is at position ``offsets + i`` and attends keys ``0 .. offsets + i``.
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, built once by the model runner and shared by every layer.
 
@@ -70,6 +96,8 @@ class AttentionMetadata:
             compiled CPU kernel (float32 or bfloat16 caches on CPU; see ``cpu_kernels.py``).
         prefill_groups: prefill chunks, at most two groups: chunks that continue a cached prefix (masked)
             and fresh prompts (causal). See ``PrefillGroup``.
+        native_prefill: instead of prefill groups, all chunks for the compiled CPU kernel (see
+            ``NativePrefill``); CPU tensors, float32 / bfloat16 activations and cache.
     """
 
     slot_mapping: torch.Tensor
@@ -77,6 +105,7 @@ class AttentionMetadata:
     decode_buckets: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     native_decode: tuple[torch.Tensor, torch.Tensor] | None = None
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    native_prefill: NativePrefill | None = None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -122,6 +151,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qd = q[start:end].view(end - start, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.reshape(end - start, num_heads * head_dim)
+    npf = meta.native_prefill
+    if npf is not None and npf.end > npf.start:
+        if native_prefill_supported(q, k_cache):
+            paged_prefill_attention(q[npf.start:npf.end], k_cache, v_cache, npf.block_tables, npf.q_start,
+                                    npf.q_len, npf.offsets, scale, out=out[npf.start:npf.end])
+        else:
+            _prefill_per_chunk(q, k_cache, v_cache, npf, scale, out)
     for grp in meta.prefill_groups:
         if grp.mask is None and grp.bounds:
             _fresh_prompts(q, k_cache, v_cache, grp, scale, out)
@@ -155,6 +191,29 @@ def _fresh_prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         qi = q[start:end].view(1, n, num_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(1, 2).reshape(n, num_heads * head_dim)
+
+
+def native_prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """True when ``paged_prefill_attention`` takes these tensors: CPU, float32 / bfloat16, kernels built."""
+    ok = (torch.float32, torch.bfloat16)
+    return q.device.type == "cpu" and q.dtype in ok and k_cache.dtype in ok and native_available()
+
+
+def _prefill_per_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, npf: NativePrefill,
+                       scale: float, out: torch.Tensor) -> None:
+    """Torch fallback for ``NativePrefill`` metadata the kernel cannot take (e.g. float16): one SDPA per
+    chunk over its gathered keys, causal with the chunk's offset."""
+    block_size, num_heads, head_dim = k_cache.shape[1], q.shape[1], q.shape[2]
+    for i, (qs, n, c) in enumerate(zip(npf.q_start.tolist(), npf.q_len.tolist(), npf.offsets.tolist(), strict=True)):
+        start = npf.start + qs
+        kv_len = c + n
+        table = npf.block_tables[i:i + 1, :-(-kv_len // block_size)]
+        k = _gather(k_cache, table)[:, :, :kv_len].to(q.dtype)  # [1, kv_heads, kv_len, hd]
+        v = _gather(v_cache, table)[:, :, :kv_len].to(q.dtype)
+        qi = q[start:start + n].view(1, n, num_heads, head_dim).transpose(1, 2)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + c
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + n] = o.transpose(1, 2).reshape(n, num_heads * head_dim)
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -137,7 +137,8 @@ class LlamaForCausalLM(nn.Module):
         enough for the small-M kernels: ``decode_step.c`` runs it whole (the per-layer path below is its
         reference, bitwise)."""
         return (meta.native_decode is not None and meta.num_decode_tokens == x.shape[0] <= SMALL_M_MAX
-                and not meta.prefill_groups and use_native(x) and kv_caches[0][0].dtype == x.dtype
+                and not meta.prefill_groups and meta.native_prefill is None and use_native(x)
+                and kv_caches[0][0].dtype == x.dtype
                 and self.fuse_decode and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
 
     def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor,

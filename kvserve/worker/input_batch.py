@@ -16,11 +16,17 @@ import numpy as np
 import torch
 
 from kvserve.core.scheduler_output import ScheduledRequest
-from kvserve.layers.attention import MAX_DECODE_BUCKETS, MIN_DECODE_BUCKET, AttentionMetadata, PrefillGroup
+from kvserve.layers.attention import (
+    MAX_DECODE_BUCKETS,
+    MIN_DECODE_BUCKET,
+    AttentionMetadata,
+    NativePrefill,
+    PrefillGroup,
+)
 
 
 def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: int,
-                   device: torch.device, native_decode: bool = False
+                   device: torch.device, native_decode: bool = False, native_prefill: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
     """Flatten a step's requests into model inputs.
 
@@ -29,6 +35,8 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
             so that decode buckets pad little), then prefill chunks that continue a cached prefix, then
             fresh prompts.
         native_decode: build the decode metadata for the compiled CPU kernel instead of torch buckets.
+        native_prefill: build ``NativePrefill`` (per-chunk start, length, offset and block table) for the
+            compiled CPU prefill kernel instead of the torch prefill groups (no masks, no padding indices).
     Returns:
         input_ids ``[T]``, positions ``[T]``, attention metadata, and ``logits_indices`` (numpy
         ``[num_sampling]``: the flat index of the last token of each request that samples).
@@ -68,11 +76,19 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
             mask = np.arange(nb * bs)[None, :] < lens[:, None]
             meta.decode_buckets.append((start, end, torch.from_numpy(np.ascontiguousarray(bt[start:end, :nb])).to(dev),
                                         torch.from_numpy(mask[:, None, None, :]).to(dev)))
-    # Prefill chunks: those continuing a cached prefix (masked) come first, then fresh prompts (causal).
-    num_continuing = num_decodes + int(np.count_nonzero(c[num_decodes:] > 0))
-    for lo, hi in ((num_decodes, num_continuing), (num_continuing, len(order))):
-        if lo < hi:
-            meta.prefill_groups.append(_prefill_group(lo, hi, n, c, bt, starts, req_idx, offsets, bs, dev))
+    # Prefill chunks: those continuing a cached prefix come first, then fresh prompts. For the native
+    # kernel they are one NativePrefill; for torch two groups: continuing (masked) and fresh (causal).
+    lo = num_decodes
+    if native_prefill and lo < len(order):  # every chunk in one kernel call: four small arrays, no masks
+        nb = -(-int((c[lo:] + n[lo:]).max()) // bs)
+        meta.native_prefill = NativePrefill(
+            int(starts[lo]), num_tokens, torch.from_numpy(np.ascontiguousarray(bt[lo:, :nb])),
+            torch.from_numpy(starts[lo:] - starts[lo]), torch.from_numpy(n[lo:]), torch.from_numpy(c[lo:]))
+    elif lo < len(order):
+        num_continuing = num_decodes + int(np.count_nonzero(c[num_decodes:] > 0))
+        for lo, hi in ((num_decodes, num_continuing), (num_continuing, len(order))):
+            if lo < hi:
+                meta.prefill_groups.append(_prefill_group(lo, hi, n, c, bt, starts, req_idx, offsets, bs, dev))
     logits_indices = (cu - 1)[[i for i, s in enumerate(order) if s.sample]]
     return (torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta, logits_indices)
 

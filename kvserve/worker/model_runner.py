@@ -94,6 +94,8 @@ class ModelRunner:
         # The compiled kernel reads float32 / bfloat16 caches in place on CPU; other cases use the torch path.
         self.native_decode = (device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
                               and native_available())
+        # Prefill attention likewise (csrc/prefill_attention.c), when the activations are float32 / bfloat16 too.
+        self.native_prefill = self.native_decode and self.model_dtype in (torch.float32, torch.bfloat16)
         self.sampler = Sampler()
         # Per-request logits edits before sampling (structured output, ...); see sample/logits_processor.py.
         self.logits_processors = LogitsProcessors()
@@ -128,7 +130,8 @@ class ModelRunner:
         prefills = [s for s in so.scheduled if s.num_scheduled_tokens > 1]
         order = decodes + [s for s in prefills if s.num_computed_tokens > 0] + [
             s for s in prefills if s.num_computed_tokens == 0]
-        batch = prepare_inputs(order, len(decodes), self.block_size, self.device, self.native_decode)
+        batch = prepare_inputs(order, len(decodes), self.block_size, self.device, self.native_decode,
+                               self.native_prefill)
         input_ids, positions, meta, logits_indices = batch
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         prompt_logprobs = compute_prompt_logprobs(order, hidden, self.model.compute_logits)
@@ -301,7 +304,7 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
             input_ids, positions, meta, logits_indices = prepare_inputs(
-                [scheduled], 0, self.block_size, self.device, self.native_decode)
+                [scheduled], 0, self.block_size, self.device, self.native_decode, self.native_prefill)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
             if cuda:

@@ -61,8 +61,45 @@ def test_both_paths_match_transformers(tiny_qwen2: tuple[Path, list[list[int]], 
         monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
     llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32")
     assert llm.engine.runner.native_decode is native
+    assert llm.engine.runner.native_prefill is native
     assert _greedy(llm, prompts) == refs
     assert [_greedy(llm, [p])[0] for p in prompts] == refs
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_chunked_prefill_and_prefix_hits_match_transformers(
+        tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]], native: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts split over steps by a 10-token budget (chunks continuing a cached prefix, mixed with decodes),
+    then the same prompts again: their full blocks are prefix-cache hits, so their first chunk starts past
+    position 0. With the native kernels every prefill chunk goes through ``paged_prefill_attention``
+    (counted, including chunks with an offset); forced to torch, through the SDPA groups. Both equal HF."""
+    from kvserve.layers import attention
+
+    path, prompts, refs = tiny_qwen2
+    if native and not cpu_kernels.native_available():
+        pytest.skip("no C compiler: native kernels unbuilt")
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "_library", lambda: None)
+    calls: list[list[int]] = []
+    kernel = attention.paged_prefill_attention
+
+    def counting(*args: object, **kwargs: object) -> object:
+        calls.append(args[6].tolist())  # type: ignore[attr-defined]  # offsets
+        return kernel(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "paged_prefill_attention", counting)
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32", block_size=4,
+              max_num_batched_tokens=10, enable_prefix_caching=True)
+    assert llm.engine.runner.native_prefill is native
+    assert _greedy(llm, prompts) == refs
+    hits = llm.get_prefix_cache_stats()["hits"]
+    assert _greedy(llm, prompts) == refs
+    assert llm.get_prefix_cache_stats()["hits"] > hits  # the second pass reused cached prompt blocks
+    if native:
+        assert calls and any(c > 0 for offsets in calls for c in offsets)
+    else:
+        assert not calls
 
 
 @pytest.mark.slow

@@ -20,10 +20,12 @@ def _scheduled(num_computed: int, num_new: int, table: list[int]) -> ScheduledRe
     return ScheduledRequest(req, num_computed, num_new, table, sample=True)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+@pytest.mark.parametrize("native,native_prefill", [(False, False), (True, False), (True, True)],
+                         ids=["torch", "native", "native+prefill"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (9, 3)])
-def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: int, native: bool) -> None:
+def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: int, native: bool,
+                                 native_prefill: bool) -> None:
     if native and not native_available():
         pytest.skip("no C compiler: the native decode kernel is unavailable")
     g = torch.Generator().manual_seed(block_size * 100 + num_heads)
@@ -44,9 +46,14 @@ def test_paged_matches_reference(block_size: int, num_heads: int, num_kv_heads: 
                      torch.randn(c + n, num_kv_heads, head_dim, generator=g),
                      torch.randn(n, num_heads, head_dim, generator=g)))
     num_decodes = sum(1 for _, n in shapes if n == 1)
-    _, _, meta, _ = prepare_inputs(order, num_decodes, block_size, torch.device("cpu"), native_decode=native)
+    _, _, meta, _ = prepare_inputs(order, num_decodes, block_size, torch.device("cpu"), native_decode=native,
+                                   native_prefill=native_prefill)
     assert (meta.native_decode is not None) == native and bool(meta.decode_buckets) != native
-    assert [g.mask is None for g in meta.prefill_groups] == [False, True]
+    if native_prefill:  # every chunk in one native call (csrc/prefill_attention.c)
+        assert meta.native_prefill is not None and not meta.prefill_groups
+        assert meta.native_prefill.offsets.tolist() == [s.num_computed_tokens for s in order[num_decodes:]]
+    else:
+        assert [g.mask is None for g in meta.prefill_groups] == [False, True] and meta.native_prefill is None
     k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
     v_cache = torch.zeros_like(k_cache)
     # The cached prefix is written as an earlier step would have; this step's K/V through slot_mapping.
