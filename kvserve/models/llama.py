@@ -18,7 +18,7 @@ from torch import nn
 from kvserve.layers import cpu_kernels
 from kvserve.layers.attention import AttentionMetadata, paged_attention, write_kv
 from kvserve.layers.layernorm import RMSNorm
-from kvserve.layers.linear import SMALL_M_MAX, Linear, use_native
+from kvserve.layers.linear import Linear, small_m_max, use_native
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.registry import ModelArchConfig
 
@@ -66,7 +66,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if gate_up.shape[0] <= SMALL_M_MAX and use_native(gate_up):
+        if gate_up.shape[0] <= small_m_max(gate_up.dtype) and use_native(gate_up):
             # decode: one call instead of three ops; prefill-sized inputs take torch's vectorized SiLU
             # (5x faster than this scalar loop at 2,048 bf16 rows), which computes the same values
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         """A pure-decode CPU step (float32 or bfloat16 activations over a cache of the same dtype), small
         enough for the small-M kernels: ``decode_step.c`` runs it whole (the per-layer path below is its
         reference, bitwise)."""
-        return (meta.native_decode is not None and meta.num_decode_tokens == x.shape[0] <= SMALL_M_MAX
+        return (meta.native_decode is not None and meta.num_decode_tokens == x.shape[0] <= small_m_max(x.dtype)
                 and not meta.prefill_groups and meta.native_prefill is None and use_native(x)
                 and kv_caches[0][0].dtype == x.dtype
                 and self.fuse_decode and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
