@@ -3,8 +3,9 @@
 Each case is several sequences in one call, with shuffled block tables: query lengths 1, 3, 17, 100, 257,
 cached-prefix offsets 0, 5, 16, 300, block size 16 and an odd one (7), head_dim 64 and 128 (compile-time
 specialisations) and 80 (the generic variant; not a multiple of 32, so also the portable path under bf16),
-GQA groups 1 and 3. Builds: the host's (``-march=native``: the AVX512-BF16 path where the CPU has it), AVX2
-(``x86-64-v3``) and baseline SSE2 (``x86-64``); a build the CPU cannot run is skipped naming the flag.
+GQA groups 1 and 3. Builds: the host's (``-march=native``: the AVX512-BF16 path where the CPU has it),
+AVX-512 without BF16 (``x86-64-v4``: the portable path in 512-bit vectors), AVX2 (``x86-64-v3``) and
+baseline SSE2 (``x86-64``); a build the CPU cannot run is skipped naming the flag it lacks.
 
 Tolerances:
 
@@ -42,7 +43,9 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.native_available(), reason="no C
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 BF16 = torch.bfloat16
-PATHS = ["native", "avx2", "sse2"]
+PATHS = ["native", "avx512", "avx2", "sse2"]
+BUILDS = {"avx512": ("x86-64-v4", ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")),
+          "avx2": ("x86-64-v3", ("avx2", "fma")), "sse2": ("x86-64", ())}
 
 # (query length, offset) per sequence of a call: every required length and offset, mixed.
 SEQS_A = [(1, 0), (3, 5), (17, 16), (100, 300), (257, 0)]
@@ -57,11 +60,11 @@ def _lib_for(path: str) -> ctypes.CDLL:
         return lib
     if not X86:
         pytest.skip(f"the {path} build is x86-only (host: {platform.machine()})")
-    need = {"avx2": ("avx2", "fma"), "sse2": ()}[path]
+    arch, need = BUILDS[path]
     missing = [f for f in need if f not in cpu_features.host_flags()]
     if missing:
         pytest.skip(f"CPU lacks {' '.join(missing)}")
-    lib = cpu_kernels.build_library({"avx2": "x86-64-v3", "sse2": "x86-64"}[path])
+    lib = cpu_kernels.build_library(arch)
     assert lib is not None
     return lib
 
