@@ -235,18 +235,26 @@ static void store_out(const job_t *j, const item_t *it, const rows_t *rw, const 
 
 #if defined(__AVX512F__)
 #define VW 16
-#define KB 8 /* keys per register block of the score loop */
-#define DB 8 /* head dims per register block of the p.v loop */
+#define KB_ 8 /* keys per register block of the score loop */
+#define DB_ 8 /* head dims per register block of the p.v loop */
 #elif defined(__AVX__)
 #define VW 8
-#define KB 2
-#define DB 2
+#define KB_ 2
+#define DB_ 2
 #else
 #define VW 4
-#define KB 1
-#define DB 1
+#define KB_ 1
+#define DB_ 1
+#endif
+#ifndef KB
+#define KB KB_
+#endif
+#ifndef DB
+#define DB DB_
 #endif
 #define RV (R / VW)
+_Static_assert(R % VW == 0 && R % 16 == 0 && TK % KB == 0 && TK % 8 == 0 && TK % 2 == 0,
+               "R: whole vectors and 16-row transpose blocks; TK: whole key blocks of both items");
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
