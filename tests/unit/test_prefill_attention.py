@@ -266,10 +266,32 @@ def test_paged_attention_native_prefill_equals_torch_groups(dtype: torch.dtype) 
     torch.testing.assert_close(half.float(), ref.float(), rtol=2 ** -6, atol=2 ** -5)
 
 
+_DISABLED_SCRIPT = """
+import torch
+from kvserve.core.request import Request
+from kvserve.core.scheduler_output import ScheduledRequest
+from kvserve.layers.attention import native_prefill_supported, paged_attention
+from kvserve.layers.cpu_kernels import native_available
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.input_batch import prepare_inputs
+
+g = torch.Generator().manual_seed(0)
+order = [ScheduledRequest(Request("r", list(range(1, c + n + 1)), SamplingParams(), None, 8), c, n,
+                          list(range(b, b + 4)), sample=True) for c, n, b in ((20, 9, 0), (0, 30, 4))]
+kc, vc = torch.randn(8, 16, 2, 64, generator=g), torch.randn(8, 16, 2, 64, generator=g)
+q = torch.randn(39, 6, 64, generator=g)
+cpu = torch.device("cpu")
+meta_native = prepare_inputs(order, 0, 16, cpu, native_prefill=True)[2]
+meta_torch = prepare_inputs(order, 0, 16, cpu)[2]
+err = (paged_attention(q, kc, vc, meta_native, 0.125) - paged_attention(q, kc, vc, meta_torch, 0.125)).abs().max()
+print(native_available(), native_prefill_supported(q, kc), float(err) < 1e-5)
+"""
+
+
 def test_disabled_native_serves_the_torch_prefill() -> None:
-    """``KVSERVE_DISABLE_NATIVE=1``: no library, and the runner builds torch prefill groups."""
+    """``KVSERVE_DISABLE_NATIVE=1``: no library, so metadata built for the native kernel goes through the
+    per-chunk SDPA fallback, equal to the torch prefill groups (the runner builds those then anyway)."""
     env = dict(os.environ, KVSERVE_DISABLE_NATIVE="1")
-    code = ("from kvserve.layers.attention import native_prefill_supported; import torch;"
-            "print(native_prefill_supported(torch.zeros(1, 1, 8), torch.zeros(1, 1, 1, 8)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.split() == ["False"]
+    out = subprocess.run([sys.executable, "-c", _DISABLED_SCRIPT], capture_output=True, text=True, env=env,
+                         check=True)
+    assert out.stdout.split() == ["False", "False", "True"]
