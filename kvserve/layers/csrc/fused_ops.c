@@ -84,11 +84,53 @@ static inline __attribute__((always_inline)) void silu_mul_row(const void *gate_
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The same row with AVX-512: libmvec's 16-lane expf (glibc's vector math, <= 1 ulp like the scalar
+ * expf it replaces here), bf16 widened exactly and rounded to nearest even as bf16_narrow does
+ * (NaN kept quiet). ~10x the scalar loop at decode sizes. */
+__m512 _ZGVeN16v_expf(__m512);
+
+static inline __attribute__((always_inline)) __m512i narrow16(__m512 f) { /* -> bf16 in each lane's low half */
+    const __m512i u = _mm512_castps_si512(f);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, __mmask16 k, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void silu_mul_row16(const void *gate_up, void *out, int64_t m,
+                                                                  int64_t F, const int bf16) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < F; i += 16) {
+        const __mmask16 k = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1u);
+        const __m512 g = ld16(gate_up, m * 2 * F + i, k, bf16);
+        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 sv = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        if (bf16) sv = _mm512_castsi512_ps(_mm512_slli_epi32(narrow16(sv), 16));
+        const __m512 r = _mm512_mul_ps(sv, ld16(gate_up, m * 2 * F + F + i, k, bf16));
+        if (bf16) _mm256_mask_storeu_epi16((uint16_t *)out + m * F + i, k, _mm512_cvtepi32_epi16(narrow16(r)));
+        else _mm512_mask_storeu_ps((float *)out + m * F + i, k, r);
+    }
+}
+#define SILU_ROW silu_mul_row16
+#else
+#define SILU_ROW silu_mul_row
+#endif
+
 void silu_mul(const void *gate_up, void *out, int64_t M, int64_t F, int bf16) {
 #pragma omp parallel for schedule(static) if (M * F >= PARALLEL_MIN)
     for (int64_t m = 0; m < M; m++) {
-        if (bf16) silu_mul_row(gate_up, out, m, F, 1);
-        else silu_mul_row(gate_up, out, m, F, 0);
+        if (bf16) SILU_ROW(gate_up, out, m, F, 1);
+        else SILU_ROW(gate_up, out, m, F, 0);
     }
 }
 
