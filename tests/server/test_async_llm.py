@@ -292,3 +292,50 @@ def test_max_waiting_requests_counts_every_sample_and_prompt() -> None:
         llm.shutdown()
 
     asyncio.run(main())
+
+
+class _CountingEngine(FakeEngine):
+    """FakeEngine whose steps take no time and are counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        s = self.scheduler
+        while s.waiting and len(s.running) < self.config.max_num_seqs:
+            s.running.append(s.waiting.pop(0))
+        outs = []
+        for rid in list(s.running):
+            ids, params, out = self.requests[rid]
+            out.append(1)
+            done = len(out) >= (params.max_tokens or 4)
+            outs.append(RequestOutput(rid, None, ids, [CompletionOutput(0, "a", list(out),
+                                                                        finish_reason="length" if done else None)],
+                                      done, metrics={"first_token_time": time.monotonic()}))
+            if done:
+                s.running.remove(rid)
+                del self.requests[rid]
+        return outs
+
+
+def test_lockstep_hands_each_step_to_the_handlers_before_the_next_step() -> None:
+    """lockstep: the handler of a stream sees output k while the engine has run exactly k steps (the loop
+    thread waited); the default for an engine that is not on the CPU is off."""
+    async def main() -> None:
+        engine = _CountingEngine()
+        llm = await _started(engine, lockstep=True)
+        assert llm.lockstep
+        stream = llm.add_request({"prompt_token_ids": [1, 2]}, _params(20))
+        await stream.accepted()
+        seen = []
+        async for out in stream:
+            seen.append((len(out.outputs[0].token_ids), engine.steps))
+            time.sleep(0.002)  # a slow handler holds the event loop: the engine must not run ahead
+        assert [k for k, _ in seen] == list(range(1, 21))
+        assert all(steps == k for k, steps in seen), seen
+        llm.shutdown()
+        assert not AsyncLLM(FakeEngine()).lockstep  # type: ignore[arg-type]
+
+    asyncio.run(main())
