@@ -155,7 +155,7 @@ def _short(prompt: Any) -> str:
 
 
 def test_smollm2_bf16_logprobs_close(smollm2_path: Path) -> None:
-    """The 8 prompts run twice in one batch: 16 decodes a step take the AVX512-BF16 4 x 4 GEMM tiles (M >= 12)
+    """The 8 prompts run twice in one batch: 16 decodes a step take the AVX512-BF16 4 x 4 GEMM tiles (M >= 10)
     where the CPU has them; each row's arithmetic does not depend on the batch, so both copies agree."""
     prompts: list[Any] = [*TEXT_PROMPTS, *CHAT_PROMPTS]
     t0 = time.perf_counter()

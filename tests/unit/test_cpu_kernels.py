@@ -86,7 +86,7 @@ def test_small_gemm_avx512_bf16_dot_products() -> None:
         pytest.skip("CPU lacks avx512_bf16")
     assert cpu_kernels.gemm_features() == {"avx512", "avx512_bf16"}
     g = torch.Generator().manual_seed(5)
-    # M >= 12 takes the 4 x 4 tiles: row remainders 1-3 (N % 4), token remainders 1-3 (M % 4), K tails
+    # M >= 10 takes the 4 x 4 tiles: row remainders 1-3 (N % 4), token remainders 1-3 (M % 4), K tails
     for m, n, k in [(1, 130, 576), (3, 7, 100), (8, 64, 33), (17, 9, 1536), (12, 130, 577), (13, 67, 64),
                     (14, 66, 37), (15, 131, 100), (32, 5, 576)]:
         x, w = torch.randn(m, k, generator=g).to(BF16), torch.randn(n, k, generator=g).to(BF16)

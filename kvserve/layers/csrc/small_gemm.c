@@ -275,11 +275,12 @@ static inline __attribute__((always_inline)) void tile4x4_dpbf16(const uint16_t 
 
 #define TILE4X4(NR, MT) tile4x4_dpbf16(xh, w, bias, out, N, K, n0, m0, NR, MT)
 
-/* bf16 x bf16 at M >= TILE_M_MIN (the crossover with the row loop measured on Zen 4, 1 thread: M = 12;
- * at M = 16 the tiles run 140-160 GFLOP/s against 80-125, at M = 32 140-167 against 72-102): 4 x 4
+/* bf16 x bf16 at M >= TILE_M_MIN (the crossover with the row loop measured on Zen 4: M = 12 with 1 thread,
+ * 9-10 with 2, weighted by SmolLM2's layer shapes; at M = 16 the tiles run 140-160 GFLOP/s against 80-125
+ * on 1 thread, at M = 32 140-167 against 72-102): 4 x 4
  * tiles, threads over groups of 4 rows (each thread's rows are one contiguous run of the weight). */
 #ifndef TILE_M_MIN
-#define TILE_M_MIN 12
+#define TILE_M_MIN 10
 #endif
 static void gemm_dpbf16_tiles(const uint16_t *xh, const uint16_t *w, const float *bias, float *out, int64_t M,
                               int64_t N, int64_t K, int nthreads) {
