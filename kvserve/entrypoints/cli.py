@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.entrypoints.openai.server import add_server_args
 
     add_server_args(serve)
-    serve.set_defaults(func=cmd_serve)
+    # --model defaults to None here, so that cmd_serve can tell `--model DEFAULT` (a conflict with MODEL) from no
+    # --model; cmd_serve puts the default in
+    serve.set_defaults(func=cmd_serve, model=None)
     from kvserve.bench.cli import add_bench_parser
     from kvserve.planner.cli import add_plan_parser
 
@@ -91,10 +93,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.openai.server import run_server
 
     if args.model_tag is not None:
-        if args.model not in (args.model_tag, EngineConfig().model):
+        if args.model not in (None, args.model_tag):
             raise InvalidRequestError(f"model: given twice, as {args.model_tag!r} and --model {args.model!r}",
                                       param="model")
         args.model = args.model_tag
+    elif args.model is None:
+        args.model = EngineConfig().model
     return run_server(args)
 
 

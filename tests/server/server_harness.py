@@ -35,13 +35,16 @@ class Server:
 
     Args:
         *flags: extra CLI flags (engine and server flags).
+        positional_model: serve this model given positionally (``kvserve serve MODEL``, vLLM's spelling)
+            instead of ``--model MODEL``.
     """
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, positional_model: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="kvserve-server-", suffix=".log")[1])
-        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
+        model = ["--model", MODEL] if positional_model is None else [positional_model]
+        cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *model, "--host", "127.0.0.1",
                "--port", str(self.port), "--num-threads", "1", "--kv-cache-memory", "0.2",
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -1,9 +1,9 @@
 """Structured output against a live server with the official ``openai`` client (SmolLM2, greedy).
 
 ``response_format`` json_schema over 5 schemas x 3 prompts must give 15/15 outputs that parse and validate
-(jsonschema); vLLM's ``structured_outputs`` (choice, regex, grammar) and ``guided_*`` spellings; invalid
-constraints are 400s naming the field; ``tool_choice: auto`` on a server without
-``--enable-auto-tool-choice`` is a 400 as in vLLM.
+(jsonschema), and json_object outputs parse to JSON objects; vLLM's ``structured_outputs`` (choice, regex,
+grammar) and ``guided_*`` spellings; invalid constraints are 400s naming the field; ``tool_choice: auto`` on a
+server without ``--enable-auto-tool-choice`` is a 400 as in vLLM.
 """
 
 from __future__ import annotations
@@ -92,6 +92,26 @@ def test_streamed_equals_non_streamed_and_n2(client: openai.OpenAI) -> None:
     assert len(out.choices) == 2
     for c in out.choices:
         jsonschema.validate(json.loads(c.message.content), SCHEMAS[0])
+
+
+def test_json_object_outputs_parse_to_objects(client: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_object"}
+    # greedy SmolLM2 repeats itself inside a JSON string or array until max_tokens on some of these prompts;
+    # vLLM's repetition_penalty makes every one of them close its object
+    penalty = {"repetition_penalty": 1.1}
+    prompts = [*PROMPTS, "Give me a JSON object describing a cat, with name and age.", "Say hello."]
+    texts = {}
+    for prompt in prompts:
+        choice = _chat(client, prompt, response_format=fmt, extra_body=penalty).choices[0]
+        assert choice.finish_reason == "stop", (prompt, choice)
+        texts[prompt] = choice.message.content
+        assert isinstance(json.loads(texts[prompt]), dict), (prompt, texts[prompt])
+    # the constraint made it JSON: "Say hello." alone is not answered with JSON
+    plain = _chat(client, "Say hello.", max_tokens=20, extra_body=penalty).choices[0].message.content
+    with pytest.raises(ValueError):
+        json.loads(plain)
+    stream = _chat(client, prompts[3], response_format=fmt, extra_body=penalty, stream=True)
+    assert "".join(ev.choices[0].delta.content or "" for ev in stream if ev.choices) == texts[prompts[3]]
 
 
 def test_choice_regex_grammar_and_guided_spellings(client: openai.OpenAI) -> None:
