@@ -51,9 +51,12 @@ class _Scheduler:
 
 
 class FakeEngine:
-    """One token per running request per step (5 ms); token id 7 fails its request; ``crash`` kills step()."""
+    """One token per running request per step (``delay_s``, default 5 ms); token id 7 fails its request;
+    ``crash`` kills step(); ``steps`` counts the steps run."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.005) -> None:
+        self.delay_s = delay_s
+        self.steps = 0
         self.config = _Config()
         self.scheduler = _Scheduler()
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
@@ -83,7 +86,9 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         if self.crash:
             raise RuntimeError("boom")
-        time.sleep(0.005)
+        self.steps += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
         s = self.scheduler
         while s.waiting and len(s.running) < self.config.max_num_seqs:
             s.running.append(s.waiting.pop(0))
@@ -294,37 +299,11 @@ def test_max_waiting_requests_counts_every_sample_and_prompt() -> None:
     asyncio.run(main())
 
 
-class _CountingEngine(FakeEngine):
-    """FakeEngine whose steps take no time and are counted."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps = 0
-
-    def step(self) -> list[RequestOutput]:
-        self.steps += 1
-        s = self.scheduler
-        while s.waiting and len(s.running) < self.config.max_num_seqs:
-            s.running.append(s.waiting.pop(0))
-        outs = []
-        for rid in list(s.running):
-            ids, params, out = self.requests[rid]
-            out.append(1)
-            done = len(out) >= (params.max_tokens or 4)
-            outs.append(RequestOutput(rid, None, ids, [CompletionOutput(0, "a", list(out),
-                                                                        finish_reason="length" if done else None)],
-                                      done, metrics={"first_token_time": time.monotonic()}))
-            if done:
-                s.running.remove(rid)
-                del self.requests[rid]
-        return outs
-
-
 def test_lockstep_hands_each_step_to_the_handlers_before_the_next_step() -> None:
     """lockstep: the handler of a stream sees output k while the engine has run exactly k steps (the loop
     thread waited); the default for an engine that is not on the CPU is off."""
     async def main() -> None:
-        engine = _CountingEngine()
+        engine = FakeEngine(delay_s=0.0)  # steps take no time: without lockstep the engine runs ahead
         llm = await _started(engine, lockstep=True)
         assert llm.lockstep
         stream = llm.add_request({"prompt_token_ids": [1, 2]}, _params(20))
