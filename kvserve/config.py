@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
+from kvserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -55,6 +56,9 @@ class EngineConfig:
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: no limit), as vLLM.
         generation_config: default sampling parameters: ``auto`` (the model's generation_config.json, as
             vLLM), ``vllm`` (none) or a folder with a generation_config.json.
+        speculative_config: speculative decoding, vLLM's JSON object (text or dict), e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
+            ``spec_decode.config.SpeculativeConfig``. None: off.
     """
 
     model: str = DEFAULT_MODEL
@@ -82,8 +86,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     generation_config: str = "auto"
     max_logprobs: int = 20
+    speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
@@ -153,6 +159,10 @@ class EngineConfig:
                             "or a folder with a generation_config.json")
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '
+                            '"qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}\'; "adaptive": false pins k')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -160,3 +170,9 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def spec(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (typed)."""
+        value = self.speculative_config
+        return value if isinstance(value, SpeculativeConfig) else None

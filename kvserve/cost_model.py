@@ -11,6 +11,7 @@ argument, so that a planner typo never prints a silently absurd number.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 PreemptMode = Literal["recompute", "swap"]
@@ -269,6 +270,49 @@ def spec_decode_best_k(alpha: float, draft_cost_ratio: float, max_k: int = 8) ->
     _positive("max_k", max_k)
     best = max(range(1, max_k + 1), key=lambda k: (spec_decode_speedup(alpha, k, draft_cost_ratio), -k))
     return best, spec_decode_speedup(alpha, best, draft_cost_ratio)
+
+
+def spec_decode_step_speedup(alpha: float, k: int, num_decodes: int, num_prefill_tokens: int, budget: int,
+                             target_time: Callable[[float], float],
+                             draft_time: Callable[[float], float] | None = None,
+                             proposal_rate: float = 1.0) -> float:
+    """Predicted useful tokens per second of a step with draft length ``k`` over the same step without drafts.
+
+    A step without speculation computes ``n0 = B + P`` tokens (``B`` decoding requests, ``P`` prefill
+    tokens) in ``T(n0)`` seconds, all of them useful. With ``k`` drafts per request it computes
+    ``B × k × r`` more (``r`` = how often a proposal exists) when they fit the token budget, of which
+    ``B × r × (E(α, k) − 1)`` are accepted (``spec_decode_expected_tokens``); when they do not fit, the
+    budget is reached and prefill gives way to the reserved draft slots. A draft model adds a forward
+    over the step's tokens and ``k − 1`` decode forwards at batch ``B``. Speedup =
+    ``(useful₁ / t₁) / (n0 / T(n0))``. At ``B = 1, P = 0`` this is Leviathan et al. 2023's walltime
+    improvement ``E / (k c + c_verify)`` with the verify cost measured; when ``T`` is linear in tokens
+    (compute-bound) it is below 1 for every ``k``, so speculation turns off under load.
+    Source: cost-model.md, "Speculative decoding"; the useful-throughput form is this project's.
+
+    Args:
+        target_time / draft_time: seconds of a forward of ``n`` tokens (measured, e.g.
+            ``spec_decode.controller.StepTimeModel``); no ``draft_time`` for n-gram proposals.
+    Raises:
+        ValueError: as ``spec_decode_expected_tokens``, or negative counts.
+    """
+    _non_negative("num_prefill_tokens", num_prefill_tokens)
+    _positive("budget", budget)
+    b = max(1, num_decodes)
+    gain = min(max(proposal_rate, 0.0), 1.0) * (spec_decode_expected_tokens(alpha, k) - 1)
+    n0 = b + num_prefill_tokens
+    if n0 + b * k <= budget:
+        n1 = n0 + b * k * min(max(proposal_rate, 0.0), 1.0)
+        useful1 = n0 + b * gain
+    else:
+        n1 = max(budget, b * (k + 1))
+        useful1 = n1 - b * k + b * gain
+    t0 = target_time(n0)
+    t1 = target_time(n1)
+    if draft_time is not None:
+        t1 += draft_time(n0) + (k - 1) * draft_time(b)
+    if t0 <= 0 or t1 <= 0:
+        return 1.0
+    return (useful1 / t1) / (n0 / t0)
 
 
 # ---- Quantization (cost-model.md, "Quantization") ---------------------------------------------------------

@@ -25,6 +25,11 @@ thread-safe, and the HTTP thread only renders them.
 | ``request_prefill_time_seconds`` | histogram | first scheduled -> first token |
 | ``request_decode_time_seconds`` | histogram | first token -> finish |
 | ``request_inference_time_seconds`` | histogram | first scheduled -> finish |
+| ``spec_decode_num_drafts_total`` | counter | verification rounds with at least one draft token |
+| ``spec_decode_num_draft_tokens_total`` | counter | draft tokens verified |
+| ``spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
+| ``spec_decode_num_accepted_tokens_per_pos_total{position}`` | counter | accepted drafts by position in the round |
+| ``spec_decode_mean_k`` | gauge | mean draft length over the decoding requests of the latest step |
 
 Gauges are refreshed after every loop iteration, including the ones that only process aborts, so they
 return to 0 as soon as the engine is idle (no stale values after a wave of cancellations).
@@ -137,6 +142,13 @@ class EngineMetrics:
         self.decode_time = histogram("request_decode_time_seconds", "First token to finish (s).", _REQUEST_BUCKETS)
         self.inference_time = histogram("request_inference_time_seconds", "First scheduled to finish (s).",
                                         _REQUEST_BUCKETS)
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "Speculative rounds with at least one draft token.")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter(pfx + "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens by position in the round (0-based).",
+                                     ["model_name", "position"], registry=r)
+        self.spec_mean_k = gauge("spec_decode_mean_k", "Mean draft length k over the latest step's decodes.")
         self._progress: dict[str, _Progress] = {}
         self._last: SchedulerStats | None = None
 
@@ -206,6 +218,15 @@ class EngineMetrics:
         self.swapped_bytes.inc(stats.swapped_bytes - (last.swapped_bytes if last else 0))
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        if stats.spec is not None:
+            s, ls = stats.spec, last.spec if last is not None else None
+            self.spec_num_drafts.inc(s.num_drafts - (ls.num_drafts if ls else 0))
+            self.spec_num_draft_tokens.inc(s.num_draft_tokens - (ls.num_draft_tokens if ls else 0))
+            self.spec_num_accepted_tokens.inc(s.num_accepted_tokens - (ls.num_accepted_tokens if ls else 0))
+            for pos, n in enumerate(s.accepted_per_pos):
+                prev = ls.accepted_per_pos[pos] if ls and pos < len(ls.accepted_per_pos) else 0
+                self._spec_per_pos.labels(self._model_name, str(pos)).inc(n - prev)
+            self.spec_mean_k.set(s.last_mean_k)
         self._last = stats
 
     # ---- read by the HTTP side -----------------------------------------------------------------

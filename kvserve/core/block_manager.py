@@ -233,6 +233,20 @@ class BlockManager:
         for block_id in reversed(self.block_tables.pop(request_id, [])):
             self._release(block_id)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the blocks of a request past the first ``ceil(num_tokens / block_size)`` (tail first).
+
+        Speculative decoding calls it after verification: the slots of rejected draft tokens lie past the
+        verified tokens. Those blocks were never committed to the prefix cache (only blocks full of
+        computed, verified tokens are), so they return to the front of the free queue.
+        """
+        table = self.block_tables.get(request_id)
+        if not table:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        while len(table) > keep:
+            self._release(table.pop())
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks, shared (ref counts + 1); for parallel sampling n > 1."""
         assert child_id not in self.block_tables, f"{child_id} already has blocks"

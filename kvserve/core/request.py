@@ -113,6 +113,15 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def truncate_output(self, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` output tokens (a stop string ended before them; the request is
+        finishing). ``num_computed_tokens`` is capped at what remains."""
+        if num_tokens <= 0:
+            return
+        del self.output_token_ids[len(self.output_token_ids) - num_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - num_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, len(self.all_token_ids))
+
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")

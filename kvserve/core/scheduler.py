@@ -22,6 +22,12 @@ picks the cheaper by the cost model (``kvserve.cost_model.preempt_choice``: ``to
 ``2 × KV bytes / copy bandwidth``), with speeds the engine measures (``PerfEstimates``). Under the
 priority policy a waiting request may also preempt a running one of strictly lower priority.
 No request is admitted or resumed in a step that preempted for lack of blocks.
+
+Speculative decoding (``spec_decode/``): a decoding request may get ``1 + k`` tokens, its last token and
+``k`` slots for draft tokens the runner proposes and verifies in the same forward; ``k`` comes from the
+``SpecController`` (0: plain decode) and counts in the budget. After the step, ``num_computed_tokens``
+advances by the tokens emitted (accepted drafts + one), the blocks past that are freed (rejected drafts'
+slots), and only verified tokens are ever committed to the prefix cache.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvserve.core.stop_checker import check_stop
 from kvserve.cost_model import preempt_choice
+from kvserve.spec_decode.controller import SpecController, SpecStats
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,7 @@ class SchedulerStats:
         num_partial_prefills: running requests whose prompt is not fully computed.
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found, each request once.
         swapped_bytes: bytes copied by swaps, out and in.
+        spec: speculative decoding's counters (None: off).
     """
 
     num_running: int
@@ -115,6 +123,7 @@ class SchedulerStats:
     swapped_bytes: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec: SpecStats | None = None
 
 
 @dataclass
@@ -148,10 +157,12 @@ class Scheduler:
         perf: measured speeds for the ``auto`` preemption choice (the engine updates them as it runs).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, perf: PerfEstimates | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, perf: PerfEstimates | None = None,
+                 spec: SpecController | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.perf = perf or PerfEstimates()
+        self.spec = spec  # speculative decoding's k controller (None: off)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -244,6 +255,8 @@ class Scheduler:
         return done
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if self.spec is not None:
+            self.spec.release([request.request_id])
         request.status = status
         self.block_manager.free(request.request_id)
         self._host_release.extend(self.host_tables.pop(request.request_id, []))
@@ -279,7 +292,8 @@ class Scheduler:
         return SchedulerStats(
             len(self.running), len(self.waiting), len(self.swapped), partial, self.block_manager.usage,
             self.num_preemptions, self.num_preemptions_by_mode["recompute"], self.num_preemptions_by_mode["swap"],
-            self.swapped_bytes, self.prefix_cache_queries, self.prefix_cache_hits)
+            self.swapped_bytes, self.prefix_cache_queries, self.prefix_cache_hits,
+            self.spec.stats.snapshot() if self.spec is not None else None)
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -291,20 +305,30 @@ class Scheduler:
 
         # 1-2. running requests: decodes first, then prefill chunks (each in running order).
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        num_decodes = len(order)
         order += [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefill_demand = self._prefill_demand(num_decodes) if self.spec is not None else 0
+        if self.spec is not None:
+            self.spec.begin_step()
         for request in order:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._num_new_tokens(request, step, admitted=True)
             if num_new == 0:
                 continue
-            while not bm.allocate_slots(request.request_id, request.num_computed_tokens, num_new):
+            num_spec = 0
+            if num_new == 1 and self.spec is not None:
+                num_spec = self._num_spec(request, num_decodes, prefill_demand, step.budget)
+            while not bm.allocate_slots(request.request_id, request.num_computed_tokens, num_new + num_spec):
+                if num_spec:  # no room for the drafts: decode plainly rather than preempt for them
+                    num_spec = 0
+                    continue
                 victim = self._victim()
                 self._preempt(victim, step)
                 if victim is request:
                     break
             else:
-                self._schedule(request, num_new, step)
+                self._schedule(request, num_new + num_spec, step, num_spec)
 
         # 3. swapped requests resume before new ones; 4. then waiting requests are admitted.
         if not step.preempted:
@@ -321,6 +345,23 @@ class Scheduler:
             preempted_request_ids=step.preempted,
             finished_request_ids=finished,
         )
+
+    def _prefill_demand(self, num_decodes: int) -> int:
+        """Prefill tokens this step would compute besides ``num_decodes`` decodes (for the k controller)."""
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                      if r.num_tokens - r.num_computed_tokens > 1)
+        pending += sum(r.num_tokens - r.num_computed_tokens for r in self.swapped)
+        pending += sum(r.num_tokens for r in self.waiting)
+        return max(0, min(pending, self.config.max_num_batched_tokens - num_decodes))
+
+    def _num_spec(self, request: Request, num_decodes: int, prefill_demand: int, budget_left: int) -> int:
+        """Draft slots for a decoding request: the controller's ``k`` within ``max_tokens``, ``max_model_len``
+        and the budget left after its own token."""
+        assert self.spec is not None
+        limit = min(request.max_tokens - request.num_output_tokens - 1,
+                    self.config.max_model_len - request.num_tokens - 1, budget_left - 1)
+        return self.spec.num_spec_tokens(request.request_id, num_decodes, prefill_demand, limit,
+                                         eligible=spec_eligible(request))
 
     def _num_new_tokens(self, request: Request, step: _Step, admitted: bool, num_computed: int | None = None) -> int:
         """Tokens ``request`` computes this step under the budget and prefill rules (0: not this step)."""
@@ -350,13 +391,14 @@ class Scheduler:
         return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1
                    and r.num_computed_tokens + step.tokens.get(r.request_id, 0) < r.num_tokens)
 
-    def _schedule(self, request: Request, num_new: int, step: _Step) -> None:
+    def _schedule(self, request: Request, num_new: int, step: _Step, num_spec: int = 0) -> None:
         step.scheduled.append(ScheduledRequest(
             request=request,
             num_computed_tokens=request.num_computed_tokens,
             num_scheduled_tokens=num_new,
             block_table=list(self.block_manager.get_block_table(request.request_id)),
-            sample=request.num_computed_tokens + num_new == request.num_tokens,
+            sample=request.num_computed_tokens + num_new - num_spec == request.num_tokens,
+            num_spec_tokens=num_spec,
         ))
         step.budget -= num_new
         step.tokens[request.request_id] = num_new
@@ -519,24 +561,53 @@ class Scheduler:
         Returns one update per request that got a token this step; finished requests
         have a final ``status`` and no blocks.
         """
+        bm = self.block_manager
+        spec_rows: dict[str, ScheduledRequest] = {}
         for s in output.scheduled:
-            if s.request.status == RequestStatus.RUNNING:
-                s.request.num_computed_tokens += s.num_scheduled_tokens
-                self.block_manager.cache_blocks(s.request, s.request.num_computed_tokens)
+            if s.request.status != RequestStatus.RUNNING:
+                continue
+            if s.num_spec_tokens:  # advanced by the tokens it emits, below (accepted drafts + one)
+                spec_rows[s.request.request_id] = s
+                continue
+            s.request.num_computed_tokens += s.num_scheduled_tokens
+            bm.cache_blocks(s.request, s.request.num_computed_tokens)
         updates: list[RequestUpdate] = []
         for row, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
-            token_id = runner_output.sampled_token_ids[row]
-            request.append_output_token(token_id)
+            token_ids = runner_output.sampled_token_ids[row]
+            lps = runner_output.logprobs[row] if runner_output.logprobs is not None else None
+            status = None
+            emitted = 0
+            for token_id in token_ids:  # stop exactly where the tokens one at a time would have stopped
+                request.append_output_token(token_id)
+                emitted += 1
+                status = check_stop(request, self.config.max_model_len)
+                if status is not None:
+                    break
+            spec = spec_rows.get(request_id)
+            if spec is not None:
+                num_drafts = runner_output.num_draft_tokens[row] if runner_output.num_draft_tokens else 0
+                if self.spec is not None:
+                    self.spec.observe(request_id, spec.num_spec_tokens, num_drafts, len(token_ids) - 1)
+                # KV is valid for the verified tokens only: the last one computed and the accepted drafts.
+                request.num_computed_tokens += emitted
+                bm.cache_blocks(request, request.num_computed_tokens)
+                bm.trim(request_id, request.num_computed_tokens)  # rejected drafts' blocks
             if request.request_id in self._forks:
                 self._fork_samples(request)  # its prompt is computed: the samples share it from now on
-            lp = runner_output.logprobs[row] if runner_output.logprobs is not None else None
-            updates.append(RequestUpdate(request, [token_id], [lp]))
-            status = check_stop(request, self.config.max_model_len)
+            updates.append(RequestUpdate(request, list(token_ids[:emitted]),
+                                         list(lps[:emitted]) if lps is not None else [None] * emitted))
             if status is not None:
                 self.requests.pop(request_id)
                 self.running.remove(request)
                 self._finish(request, status)
         return updates
+
+
+def spec_eligible(request: Request) -> bool:
+    """Whether drafts can be verified exactly for this request: not under a grammar (structured output)
+    nor multi-token ``bad_words``, whose masks depend on the tokens before each draft position."""
+    p = request.sampling_params
+    return p.structured_outputs is None and not any(len(w) > 1 for w in p.bad_words_token_ids or ())

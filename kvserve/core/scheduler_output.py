@@ -15,6 +15,10 @@ class ScheduledRequest:
     The runner computes K/V for ``request.all_token_ids[num_computed_tokens : num_computed_tokens +
     num_scheduled_tokens]`` at those positions, writing them into ``block_table``'s slots, and samples a
     token iff ``sample`` (the step reaches the end of the request's known tokens).
+
+    Speculative decoding: the last ``num_spec_tokens`` of the scheduled tokens are slots for draft tokens
+    (not in ``all_token_ids``); the runner proposes up to that many, verifies them with the target in the
+    same forward and may emit several tokens. ``draft_token_ids`` holds the proposal once made (runner).
     """
 
     request: Request
@@ -22,6 +26,8 @@ class ScheduledRequest:
     num_scheduled_tokens: int
     block_table: list[BlockId]
     sample: bool
+    num_spec_tokens: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -85,8 +91,11 @@ class ModelRunnerOutput:
 
     Attributes:
         req_ids: ids of the requests that sampled a token this step.
-        sampled_token_ids: one token id per entry of ``req_ids``.
-        logprobs: per entry of ``req_ids``, the logprobs when the request asked for them, else None.
+        sampled_token_ids: per entry of ``req_ids``, the tokens emitted: one, or with speculative
+            decoding the accepted drafts and one more.
+        logprobs: per entry of ``req_ids``, one ``TokenLogprobs`` per emitted token when the request asked
+            for logprobs, else None.
+        num_draft_tokens: per entry of ``req_ids``, the draft tokens verified (None: no speculation).
         prompt_logprobs: per request id, the prompt tokens scored this step (also on steps that do not
             sample); only for requests that asked for ``prompt_logprobs``. A request recomputed after
             preemption scores its prompt again: the engine keeps the first copy.
@@ -95,8 +104,9 @@ class ModelRunnerOutput:
     """
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    num_draft_tokens: list[int] | None = None
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     swap_bytes: int = 0
     swap_seconds: float = 0.0

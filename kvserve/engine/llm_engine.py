@@ -27,16 +27,28 @@ from kvserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk
 from kvserve.engine.generation_config import load_generation_defaults
 from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.models.catalog import resolve_model_path
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_weights
 from kvserve.models.registry import ModelArchConfig
 from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvserve.sample.token_constraints import prepare_token_constraints
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.controller import SpecController
+from kvserve.spec_decode.draft_model import DraftModelProposer
+from kvserve.spec_decode.proposer import NgramRowProposer, Proposer
 from kvserve.structured.backend import StructuredOutputBackend
 from kvserve.structured.processor import StructuredOutputProcessor
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.tokenizer.tokenizer import Tokenizer
-from kvserve.worker.kv_cache import GiB, block_bytes, num_blocks_for_budget, num_host_blocks_for
+from kvserve.worker.kv_cache import (
+    GiB,
+    allocate_host_swap_pool,
+    allocate_kv_cache,
+    block_bytes,
+    num_blocks_for_budget,
+    num_host_blocks_for,
+)
 from kvserve.worker.model_runner import ModelRunner, build_model
 
 logger = logging.getLogger(__name__)
@@ -191,6 +203,8 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = Tokenizer.from_path(self.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else arch.eos_token_id
+        self.spec_config: SpeculativeConfig | None = config.spec
+        self.draft_model = self._load_draft_model(self.spec_config) if self.spec_config else None
         self.num_blocks = self._num_blocks(model)
         self._fit_max_model_len_to_cache()
         self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.kv_dtype, self.dtype,
@@ -199,15 +213,21 @@ class LLMEngine:
                                           config.prefix_caching_hash_algo, self.fingerprint)
         num_host_blocks = 0
         if config.preemption_mode != "recompute":
-            num_host_blocks = num_host_blocks_for(config.swap_space, arch, config.block_size, self.kv_dtype)
+            num_host_blocks = num_host_blocks_for(config.swap_space * self._target_kv_share(), arch, config.block_size,
+                                                  self.kv_dtype)
+        self.spec: SpecController | None = None
+        if self.spec_config is not None:
+            self.spec = SpecController(self.spec_config, config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill, config.max_num_partial_prefills,
                             config.long_prefill_token_threshold, config.preemption_mode, config.scheduling_policy,
                             num_host_blocks, self.kv_block_bytes()),
-            self.block_manager)
+            self.block_manager, spec=self.spec)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, num_host_blocks,
                                   kv_dtype=self.kv_dtype)
+        if self.spec_config is not None:
+            self._setup_speculation(self.spec_config, num_host_blocks)
         # Structured output (xgrammar): grammars compile on first use, cached per schema (shared with the server).
         self.structured_outputs: StructuredOutputBackend | None = None
         if self.tokenizer is not None:
@@ -227,6 +247,74 @@ class LLMEngine:
         logger.info("loaded %s (%s, %s, KV cache %s) in %.1f s: %d KV blocks of %d tokens", config.model,
                     self.device, self.dtype, self.kv_dtype, time.perf_counter() - t0, self.num_blocks,
                     config.block_size)
+
+    # ---- speculative decoding ------------------------------------------------------------------
+    def _load_draft_model(self, spec: SpeculativeConfig) -> LlamaForCausalLM | None:
+        """The draft model of ``method: draft_model`` (None for n-gram), in the target's dtypes.
+
+        Raises:
+            ModelNotFoundError: the draft is unknown or not installed.
+            InvalidRequestError: its vocabulary differs from the target's (size or tokens), or its context
+                is shorter than ``max_model_len``.
+        """
+        if spec.method != "draft_model" or spec.model is None:
+            return None
+        path = resolve_model_path(spec.model)
+        d_arch, d_weights = load_weights(path)
+        if d_arch.vocab_size != self.arch.vocab_size:
+            raise InvalidRequestError(
+                f"speculative_config.model: the draft {spec.model!r} has a vocabulary of {d_arch.vocab_size} tokens, "
+                f"the target {self.config.model!r} {self.arch.vocab_size}; they must share one tokenizer",
+                param="speculative_config")
+        if self.tokenizer is not None:
+            d_tok = Tokenizer.from_path(path)
+            if d_tok.backend.get_vocab() != self.tokenizer.backend.get_vocab():
+                raise InvalidRequestError(
+                    f"speculative_config.model: the draft {spec.model!r} has a different vocabulary (tokenizer) than "
+                    f"the target {self.config.model!r}; they must share one tokenizer", param="speculative_config")
+        if d_arch.max_position_embeddings < self.max_model_len:
+            raise InvalidRequestError(
+                f"speculative_config.model: the draft's context ({d_arch.max_position_embeddings}) is shorter than "
+                f"max_model_len ({self.max_model_len})", param="speculative_config")
+        self.draft_arch = d_arch
+        draft = build_model(d_arch, d_weights, self.max_model_len, self.dtype, self.device, self.compute_dtype)
+        logger.info("speculative decoding: draft model %s (%d layers), k_max %d", spec.model, d_arch.num_hidden_layers,
+                    spec.num_speculative_tokens)
+        return draft
+
+    def _target_kv_share(self) -> float:
+        """The target's share of KV memory (1 without a draft model; the draft's cache has as many blocks)."""
+        if self.draft_model is None:
+            return 1.0
+        t = block_bytes(self.arch, self.config.block_size, self.kv_dtype)
+        return t / (t + block_bytes(self.draft_arch, self.config.block_size, self.kv_dtype))
+
+    def _setup_speculation(self, spec: SpeculativeConfig, num_host_blocks: int) -> None:
+        """The runner's proposer (and a draft model's KV cache), then the start-up step-time probe."""
+        assert self.spec is not None
+        runner = self.runner
+        proposer: Proposer
+        if self.draft_model is not None:
+            bs = self.config.block_size
+            caches = allocate_kv_cache(self.draft_arch, self.num_blocks, bs, self.kv_dtype, self.device)
+            host = allocate_host_swap_pool(self.draft_arch, num_host_blocks, bs, self.kv_dtype, self.device)
+            runner.add_kv_group(caches, host, block_bytes(self.draft_arch, bs, self.kv_dtype))
+            proposer = DraftModelProposer(self.draft_model, caches, bs, self.device, runner._generator,
+                                          runner.native_decode, runner.native_prefill)
+            if spec.adaptive:
+                for n, t in runner.measure_forward_times(self._probe_sizes(), self.draft_model, caches):
+                    self.spec.draft_time.observe(n, t)
+        else:
+            proposer = NgramRowProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        runner.proposer = proposer
+        if spec.adaptive:
+            for n, t in runner.measure_forward_times(self._probe_sizes()):
+                self.spec.target_time.observe(n, t)
+            logger.info("speculative decoding: target step times %s", ", ".join(
+                f"{n:.0f}: {1e3 * t:.1f} ms" for n, t in self.spec.target_time.table()))
+
+    def _probe_sizes(self) -> list[int]:
+        return [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= self.config.max_num_batched_tokens]
 
     def _fit_max_model_len_to_cache(self) -> None:
         """As vLLM: a KV cache smaller than ``max_model_len`` refuses to start when ``--max-model-len`` was
@@ -261,7 +349,7 @@ class LLMEngine:
             budget = min(budget, free)
         else:
             budget = int(c.kv_cache_memory * GiB)
-        return num_blocks_for_budget(budget, self.arch, c.block_size, self.kv_dtype)
+        return num_blocks_for_budget(int(budget * self._target_kv_share()), self.arch, c.block_size, self.kv_dtype)
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -273,7 +361,8 @@ class LLMEngine:
         return self.kv_cache_capacity_tokens / self.max_model_len
 
     def kv_block_bytes(self) -> int:
-        return block_bytes(self.arch, self.config.block_size, self.kv_dtype)
+        """Bytes of one KV block over all layers, K and V (the draft model's cache included)."""
+        return int(round(block_bytes(self.arch, self.config.block_size, self.kv_dtype) / self._target_kv_share()))
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -392,6 +481,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             runner_out = self.runner.execute_model(so)
             self._update_perf(so, runner_out, time.perf_counter() - t0)
+            if self.spec is not None and self.runner.last_forward_tokens:
+                self.spec.target_time.observe(self.runner.last_forward_tokens, self.runner.last_forward_seconds)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("model step failed; failing its %d requests", len(so.scheduled))
             self.scheduler.recompute_swapped(so.preempted_request_ids)
@@ -472,7 +563,16 @@ class LLMEngine:
             new_ids = upd.new_token_ids
             if upd.request.status == RequestStatus.FINISHED_STOPPED and not group.params.include_stop_str_in_output:
                 new_ids = new_ids[:-1]  # EOS or a stop token id: its text is not output (as vLLM)
+            before = len(seq.detokenizer.output_token_ids)
             stop = seq.detokenizer.update(new_ids)
+            used = len(seq.detokenizer.output_token_ids) - before
+            if stop is not None and used < len(upd.new_token_ids):
+                # Several tokens this step (speculative decoding) and a stop string ended inside them: the
+                # tokens after it are dropped, as one token per step would never have produced them.
+                drop = len(upd.new_token_ids) - used
+                upd.request.truncate_output(drop)
+                if seq.logprobs is not None:
+                    del seq.logprobs[len(seq.logprobs) - drop:]
             if stop is not None and not upd.request.is_finished:
                 upd.request.stop_reason = stop
                 self.scheduler.finish_requests([upd.request.request_id], RequestStatus.FINISHED_STOPPED)

@@ -39,15 +39,14 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
             compiled CPU prefill kernel instead of the torch prefill groups (no masks, no padding indices).
     Returns:
         input_ids ``[T]``, positions ``[T]``, attention metadata, and ``logits_indices`` (numpy
-        ``[num_sampling]``: the flat index of the last token of each request that samples).
+        ``[num_sampling]``: the flat index of the last token of each request that samples; a row with
+        ``m`` draft tokens has its last ``m + 1`` indices there, in order).
     """
     bs = block_size
     n = np.fromiter((s.num_scheduled_tokens for s in order), dtype=np.int64, count=len(order))
     c = np.fromiter((s.num_computed_tokens for s in order), dtype=np.int64, count=len(order))
     num_tokens = int(n.sum())
-    ids = np.fromiter(chain.from_iterable(
-        s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
-        for s in order), dtype=np.int64, count=num_tokens)
+    ids = np.fromiter(chain.from_iterable(_step_token_ids(s) for s in order), dtype=np.int64, count=num_tokens)
     cu = np.cumsum(n)
     starts = cu - n
     req_idx = np.repeat(np.arange(len(order)), n)
@@ -90,7 +89,18 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
             if lo < hi:
                 meta.prefill_groups.append(_prefill_group(lo, hi, n, c, bt, starts, req_idx, offsets, bs, dev))
     logits_indices = (cu - 1)[[i for i, s in enumerate(order) if s.sample]]
+    if any(s.draft_token_ids for s in order if s.sample):  # a row with m drafts: logits at its last m + 1
+        logits_indices = np.concatenate([np.arange(cu[i] - 1 - len(s.draft_token_ids), cu[i])
+                                         for i, s in enumerate(order) if s.sample])
     return (torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev), meta, logits_indices)
+
+
+def _step_token_ids(s: ScheduledRequest) -> list[int]:
+    """The tokens a row computes this step: its known tokens, then its draft tokens (speculative decoding)."""
+    c = s.num_computed_tokens
+    if not s.draft_token_ids:
+        return s.request.all_token_ids[c:c + s.num_scheduled_tokens]
+    return s.request.all_token_ids[c:c + s.num_scheduled_tokens - len(s.draft_token_ids)] + list(s.draft_token_ids)
 
 
 def _prefill_group(lo: int, hi: int, n: np.ndarray, c: np.ndarray, bt: np.ndarray, starts: np.ndarray,

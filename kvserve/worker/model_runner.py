@@ -16,7 +16,13 @@ import torch
 
 from kvserve.core.block_manager import BlockId
 from kvserve.core.request import Request
-from kvserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from kvserve.core.scheduler_output import (
+    ModelRunnerOutput,
+    PromptLogprobsChunk,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from kvserve.layers.cpu_kernels import native_available
 from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
@@ -24,6 +30,8 @@ from kvserve.sample.logits_processor import LogitsProcessors
 from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.sample.token_constraints import TokenConstraints
 from kvserve.sampling_params import SamplingParams
+from kvserve.spec_decode.proposer import Proposer
+from kvserve.spec_decode.verify import verify_drafts
 from kvserve.worker.host_memory import move_parameters_to_hugepages
 from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
@@ -79,7 +87,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 num_host_blocks: int = 0, kv_dtype: torch.dtype | None = None) -> None:
+                 num_host_blocks: int = 0, kv_dtype: torch.dtype | None = None,
+                 proposer: Proposer | None = None) -> None:
         self.model = model
         self.arch = model.config
         self.device = device
@@ -101,6 +110,18 @@ class ModelRunner:
         self.logits_processors = LogitsProcessors()
         self.logits_processors.add(TokenConstraints())  # allowed_token_ids, bad_words, logit_bias: first
         self.generators: dict[str, torch.Generator] = {}
+        # Speculative decoding: proposes drafts for rows with draft slots (None: off). A draft model's KV
+        # cache is another (device cache, host pool) group, copied and swapped with the target's.
+        self.proposer = proposer
+        self.kv_groups: list[tuple[KVCache, KVCache]] = [(self.kv_caches, self.host_kv_caches)]
+        self.last_forward_seconds = 0.0  # the target forward of the latest step (the k controller's input)
+        self.last_forward_tokens = 0
+
+    def add_kv_group(self, caches: KVCache, host_pool: KVCache, group_block_bytes: int) -> None:
+        """Register another model's paged KV cache (a draft model's): same block ids, copied on
+        copy-on-write and swapped with the target's; ``block_bytes`` grows by ``group_block_bytes``."""
+        self.kv_groups.append((caches, host_pool))
+        self.block_bytes += group_block_bytes
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -114,32 +135,46 @@ class ModelRunner:
         for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
         self.logits_processors.release(so.finished_request_ids)
+        if self.proposer is not None and (so.finished_request_ids or so.preempted_request_ids):
+            self.proposer.release(so.finished_request_ids + so.preempted_request_ids)  # recompute: new blocks
         # NOTE: swaps and copies happen even on a step with nothing scheduled, in the contract's order:
         # swap out (frees device blocks this step may reuse), swap in, copy-on-write, then the forward.
         swap_bytes, swap_seconds = self.swap_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in)
         if so.blocks_to_copy:
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
             dst = torch.tensor([d for _, d in so.blocks_to_copy], device=self.device)
-            for k_cache, v_cache in self.kv_caches:
-                k_cache[dst] = k_cache[src]
-                v_cache[dst] = v_cache[src]
+            for caches, _ in self.kv_groups:
+                for k_cache, v_cache in caches:
+                    k_cache[dst] = k_cache[src]
+                    v_cache[dst] = v_cache[src]
         if not so.scheduled:  # (not ``is_empty``: that may come to count swaps and copies as work)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], swap_bytes=swap_bytes,
                                      swap_seconds=swap_seconds)
-        decodes = sorted((s for s in so.scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.num_computed_tokens)
-        prefills = [s for s in so.scheduled if s.num_scheduled_tokens > 1]
+        scheduled, draft_probs = so.scheduled, None
+        if self.proposer is not None:
+            scheduled, draft_probs = self.proposer.propose(so.scheduled)
+        decodes = sorted((s for s in scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.num_computed_tokens)
+        prefills = [s for s in scheduled if s.num_scheduled_tokens > 1]
         order = decodes + [s for s in prefills if s.num_computed_tokens > 0] + [
             s for s in prefills if s.num_computed_tokens == 0]
         batch = prepare_inputs(order, len(decodes), self.block_size, self.device, self.native_decode,
                                self.native_prefill)
         input_ids, positions, meta, logits_indices = batch
+        t_forward = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.proposer is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.last_forward_seconds = time.perf_counter() - t_forward
+            self.last_forward_tokens = int(input_ids.shape[0])
         prompt_logprobs = compute_prompt_logprobs(order, hidden, self.model.compute_logits)
         sampling = [s for s in order if s.sample]
         if not sampling:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs,
                                      swap_bytes=swap_bytes, swap_seconds=swap_seconds)
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+        if any(s.draft_token_ids for s in sampling):
+            return self._verify_step(sampling, logits, draft_probs, prompt_logprobs, swap_bytes, swap_seconds)
         requests = [s.request for s in sampling]
         _mask_stop_tokens_before_min_tokens(logits, requests)
         self.logits_processors.apply(logits, requests)
@@ -152,8 +187,8 @@ class ModelRunner:
             device=self.device,
         )
         out = self.sampler(logits, metadata)
-        sampled = out.sampled_token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] | None = None
+        sampled = [[t] for t in out.sampled_token_ids.tolist()]
+        logprobs: list[list[TokenLogprobs] | None] | None = None
         if out.logprobs is not None:
             ids_l = out.logprobs.token_ids.tolist()
             lps_l = out.logprobs.logprobs.tolist()
@@ -165,10 +200,24 @@ class ModelRunner:
                     logprobs.append(None)
                     continue
                 top = list(zip(ids_l[row][1:k + 1], lps_l[row][1:k + 1], strict=True))
-                logprobs.append(TokenLogprobs(ids_l[row][0], lps_l[row][0], ranks[row], top))
+                logprobs.append([TokenLogprobs(ids_l[row][0], lps_l[row][0], ranks[row], top)])
         return ModelRunnerOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs, swap_bytes=swap_bytes,
-                                 swap_seconds=swap_seconds)
+                                 swap_seconds=swap_seconds,
+                                 num_draft_tokens=[0] * len(requests) if self.proposer is not None else None)
+
+    def _verify_step(self, sampling: list[ScheduledRequest], logits: torch.Tensor, draft_probs: torch.Tensor | None,
+                     prompt_logprobs: dict[str, PromptLogprobsChunk], swap_bytes: int, swap_seconds: float
+                     ) -> ModelRunnerOutput:
+        """Sample a step where some rows verify drafts: every sampling row goes through
+        ``spec_decode.verify.verify_drafts`` (a row without drafts is a one-position round: the same
+        distribution as the plain sampler). ``logits`` has each row's ``len(drafts) + 1`` positions."""
+        tokens, logprobs = verify_drafts(logits, sampling, draft_probs, self.logits_processors, self._generator)
+        asked = any(s.request.sampling_params.logprobs is not None for s in sampling)
+        return ModelRunnerOutput(req_ids=[s.request.request_id for s in sampling], sampled_token_ids=tokens,
+                                 logprobs=logprobs if asked else None, prompt_logprobs=prompt_logprobs,
+                                 swap_bytes=swap_bytes, swap_seconds=swap_seconds,
+                                 num_draft_tokens=[len(s.draft_token_ids) for s in sampling])
 
     # ---- swapping ------------------------------------------------------------------------------
     def swap_blocks(self, blocks_to_swap_out: list[tuple[BlockId, int]], blocks_to_swap_in: list[tuple[int, BlockId]],
@@ -186,7 +235,8 @@ class ModelRunner:
         """
         if not blocks_to_swap_out and not blocks_to_swap_in:
             return 0, 0.0
-        pool = self.host_kv_caches if host_pool is None else host_pool
+        groups = self.kv_groups if host_pool is None else [(self.kv_caches, host_pool)]
+        pool = groups[0][1]
         num_host = pool[0][0].shape[0] if pool else 0
         for _, h in blocks_to_swap_out:
             _check_block(h, num_host, "host")
@@ -203,54 +253,56 @@ class ModelRunner:
         if cuda:
             torch.cuda.synchronize(self.device)  # time only the copies, not queued forward work
         t0 = time.perf_counter()
-        if blocks_to_swap_out:
-            self._swap_out(blocks_to_swap_out, pool)
-        if blocks_to_swap_in:
-            self._swap_in(blocks_to_swap_in, pool)
+        for caches, group_pool in groups:
+            if blocks_to_swap_out:
+                self._swap_out(blocks_to_swap_out, caches, group_pool)
+            if blocks_to_swap_in:
+                self._swap_in(blocks_to_swap_in, caches, group_pool)
         if cuda:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        return (len(blocks_to_swap_out) + len(blocks_to_swap_in)) * self.block_bytes, seconds
+        group_bytes = self.block_bytes if host_pool is None else block_bytes(self.arch, self.block_size, self.dtype)
+        return (len(blocks_to_swap_out) + len(blocks_to_swap_in)) * group_bytes, seconds
 
-    def _swap_out(self, pairs: list[tuple[BlockId, int]], pool: KVCache) -> None:
+    def _swap_out(self, pairs: list[tuple[BlockId, int]], caches: KVCache, pool: KVCache) -> None:
         """Device blocks -> host pool, all layers. On CUDA: one gather on the device into a staging tensor
         ``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, one DMA into pinned memory, then a scatter
         into the pool on the CPU."""
         dev_idx = torch.tensor([d for d, _ in pairs], dtype=torch.int64, device=self.device)
         host_idx = torch.tensor([h for _, h in pairs], dtype=torch.int64)
         if self.device.type == "cpu":
-            for (k, v), (hk, hv) in zip(self.kv_caches, pool, strict=True):
+            for (k, v), (hk, hv) in zip(caches, pool, strict=True):
                 hk.index_copy_(0, host_idx, k.index_select(0, dev_idx))
                 hv.index_copy_(0, host_idx, v.index_select(0, dev_idx))
             return
-        staged = torch.empty((len(self.kv_caches), 2, len(pairs), *self.kv_caches[0][0].shape[1:]),
-                             dtype=self.dtype, device=self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
+        staged = torch.empty((len(caches), 2, len(pairs), *caches[0][0].shape[1:]),
+                             dtype=caches[0][0].dtype, device=self.device)
+        for layer, (k, v) in enumerate(caches):
             torch.index_select(k, 0, dev_idx, out=staged[layer, 0])
             torch.index_select(v, 0, dev_idx, out=staged[layer, 1])
-        host = torch.empty(staged.shape, dtype=self.dtype, pin_memory=True)
+        host = torch.empty(staged.shape, dtype=caches[0][0].dtype, pin_memory=True)
         host.copy_(staged, non_blocking=True)
         torch.cuda.synchronize(self.device)  # NOTE: the DMA must land before the CPU scatters ``host``
         for layer, (hk, hv) in enumerate(pool):
             hk.index_copy_(0, host_idx, host[layer, 0])
             hv.index_copy_(0, host_idx, host[layer, 1])
 
-    def _swap_in(self, pairs: list[tuple[int, BlockId]], pool: KVCache) -> None:
+    def _swap_in(self, pairs: list[tuple[int, BlockId]], caches: KVCache, pool: KVCache) -> None:
         """Host pool -> device blocks, all layers. On CUDA: one gather on the CPU into pinned staging, one
         asynchronous DMA, then a scatter on the device (stream-ordered before the forward)."""
         host_idx = torch.tensor([h for h, _ in pairs], dtype=torch.int64)
         dev_idx = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
         if self.device.type == "cpu":
-            for (k, v), (hk, hv) in zip(self.kv_caches, pool, strict=True):
+            for (k, v), (hk, hv) in zip(caches, pool, strict=True):
                 k.index_copy_(0, dev_idx, hk.index_select(0, host_idx))
                 v.index_copy_(0, dev_idx, hv.index_select(0, host_idx))
             return
-        host = torch.empty((len(pool), 2, len(pairs), *pool[0][0].shape[1:]), dtype=self.dtype, pin_memory=True)
+        host = torch.empty((len(pool), 2, len(pairs), *pool[0][0].shape[1:]), dtype=caches[0][0].dtype, pin_memory=True)
         for layer, (hk, hv) in enumerate(pool):
             torch.index_select(hk, 0, host_idx, out=host[layer, 0])
             torch.index_select(hv, 0, host_idx, out=host[layer, 1])
         staged = host.to(self.device, non_blocking=True)
-        for layer, (k, v) in enumerate(self.kv_caches):
+        for layer, (k, v) in enumerate(caches):
             k.index_copy_(0, dev_idx, staged[layer, 0])
             v.index_copy_(0, dev_idx, staged[layer, 1])
 
@@ -315,6 +367,47 @@ class ModelRunner:
             k_cache[:num_blocks].zero_()
             v_cache[:num_blocks].zero_()
         return n / max(statistics.median(times), 1e-9)
+
+    @torch.inference_mode()
+    def measure_forward_times(self, sizes: list[int], model: LlamaForCausalLM | None = None,
+                              kv_caches: KVCache | None = None, repeats: int = 2) -> list[tuple[int, float]]:
+        """Seconds of one forward of ``n`` tokens (a dummy prompt, no logits) for each ``n`` in ``sizes``:
+        the step-time curve the speculative k controller starts from (best of ``repeats`` after a warm-up).
+
+        Args:
+            model / kv_caches: another model and its cache (the draft's); default the target's.
+        Call before serving: it writes K/V into the first blocks and zeroes them afterwards.
+        Returns:
+            ``(n, seconds)`` pairs, ``n`` capped at the cache and position limits.
+        """
+        model = model or self.model
+        caches = kv_caches if kv_caches is not None else self.kv_caches
+        cap = min(self.num_blocks * self.block_size, model.rotary.cos.shape[0])
+        out: list[tuple[int, float]] = []
+        cuda = self.device.type == "cuda"
+        for n in sorted({min(max(1, n), cap) for n in sizes}):
+            ids = ((np.arange(n, dtype=np.int64) * 7919 + 17) % model.config.vocab_size).tolist()
+            request = Request("__measure_forward__", ids, SamplingParams(max_tokens=1), None, 1)
+            scheduled = ScheduledRequest(request, 0, n, [BlockId(b) for b in range(math.ceil(n / self.block_size))],
+                                         sample=False)
+            best = math.inf
+            for i in range(repeats + 1):
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                input_ids, positions, meta, _ = prepare_inputs(
+                    [scheduled], 0, self.block_size, self.device, self.native_decode, self.native_prefill)
+                model(input_ids, positions, caches, meta)
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+            out.append((n, best))
+        num_blocks = math.ceil(max((n for n, _ in out), default=0) / self.block_size)
+        for k_cache, v_cache in caches:
+            k_cache[:num_blocks].zero_()
+            v_cache[:num_blocks].zero_()
+        return out
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -60,7 +60,7 @@ def test_decode_after_swap_out_and_in_to_other_blocks(llm: LLM) -> None:
     def step(so: SchedulerOutput) -> None:
         out = runner.execute_model(so)
         req.num_computed_tokens = req.num_tokens
-        req.append_output_token(out.sampled_token_ids[0])
+        req.append_output_token(out.sampled_token_ids[0][0])
 
     step(SchedulerOutput([ScheduledRequest(req, 0, len(ids), table, True)]))
     for _ in range(3):

@@ -39,4 +39,4 @@ class FakeKV:
             if s.sample:
                 ids.append(r.request_id)
                 tokens.append(rng.randint(0, 3))
-        return ModelRunnerOutput(ids, tokens)
+        return ModelRunnerOutput(ids, [[t] for t in tokens])

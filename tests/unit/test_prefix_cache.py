@@ -307,7 +307,7 @@ def sched(num_blocks: int = 32, block_size: int = 4, budget: int = 64, max_num_s
 
 def run(s: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
     ids = [x.request.request_id for x in out.scheduled if x.sample]
-    s.update_from_output(out, ModelRunnerOutput(ids, [token] * len(ids)))
+    s.update_from_output(out, ModelRunnerOutput(ids, [[token]] * len(ids)))
     s.block_manager.check_invariants()
 
 

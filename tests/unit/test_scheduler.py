@@ -72,7 +72,7 @@ class FakeRunner:
                 script = self.script.get(rid, [])
                 req_ids.append(rid)
                 tokens.append(script[index] if index < len(script) else self.token(rid, index))
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[t] for t in tokens])
 
 
 def step(scheduler: Scheduler, runner: FakeRunner | None = None

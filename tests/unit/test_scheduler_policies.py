@@ -39,7 +39,7 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int, int]]:
 
 def run(s: Scheduler, out: SchedulerOutput) -> None:
     ids = [x.request.request_id for x in out.scheduled if x.sample]
-    s.update_from_output(out, ModelRunnerOutput(ids, [7] * len(ids)))
+    s.update_from_output(out, ModelRunnerOutput(ids, [[7]] * len(ids)))
     s.block_manager.check_invariants()
 
 
