@@ -246,6 +246,8 @@ class BlockManager:
         keep = self.num_blocks_for(num_tokens)
         while len(table) > keep:
             self._release(table.pop())
+        if self._num_committed.get(request_id, 0) > keep:
+            self._num_committed[request_id] = keep
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's blocks, shared (ref counts + 1); for parallel sampling n > 1."""

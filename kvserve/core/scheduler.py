@@ -218,6 +218,8 @@ class Scheduler:
         for sample in self._forks.pop(leader.request_id, []):
             del self._fork_of[sample.request_id]
             self.block_manager.fork(leader.request_id, sample.request_id)
+            # The prompt's blocks only (the leader may have emitted several tokens this step: drafts).
+            self.block_manager.trim(sample.request_id, sample.num_prompt_tokens)
             sample.num_computed_tokens = sample.num_prompt_tokens - 1
             sample.num_cached_tokens = leader.num_cached_tokens
             sample.first_scheduled_time = leader.first_scheduled_time
