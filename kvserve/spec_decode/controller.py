@@ -32,12 +32,14 @@ class StepTimeModel:
 
     def __init__(self) -> None:
         self._buckets: dict[int, tuple[float, float]] = {}
+        self._points: list[tuple[float, float]] | None = None  # sorted bucket points, rebuilt after observe
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """Record one forward of ``num_tokens`` tokens that took ``seconds`` (ignored unless both > 0)."""
         if num_tokens <= 0 or seconds <= 0 or not math.isfinite(seconds):
             return
         b = round(2 * math.log2(num_tokens))
+        self._points = None
         old = self._buckets.get(b)
         if old is None:
             self._buckets[b] = (float(num_tokens), seconds)
@@ -51,7 +53,9 @@ class StepTimeModel:
 
     def __call__(self, num_tokens: float) -> float:
         """Predicted seconds for ``num_tokens`` tokens (0.0 with no observation yet)."""
-        points = sorted(self._buckets.values())
+        if self._points is None:
+            self._points = sorted(self._buckets.values())
+        points = self._points
         if not points:
             return 0.0
         if num_tokens <= points[0][0]:
