@@ -1,4 +1,5 @@
-"""The ``kvserve plan`` command: ``kvserve plan --model smollm2-135m-instruct [--memory-gib 16] [--json]``."""
+"""The ``kvserve plan`` command: ``kvserve plan --model smollm2-135m-instruct [--memory-gib 16] [--json]
+[--metrics-url URL | --bench-json FILE]``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from kvserve import cpu_features
 from kvserve.cost_model import KV_DTYPE_BYTES
+from kvserve.planner.measured import MeasuredAcceptance
 from kvserve.planner.plan import GB, GiB, PlanOptions
 
 
@@ -43,6 +45,14 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--tpot-slo-ms", type=float, default=None)
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--metrics-url", default=None, metavar="URL",
+                     help="a running server's /metrics (kvserve: or vllm: names): show its measured spec-decode "
+                          "acceptance α = accepted / draft tokens in the spec-decode table")
+    src.add_argument("--bench-json", default=None, metavar="FILE",
+                     help="the acceptance recorded by benchmarks/spec_decode.py in FILE, likewise")
+    p.add_argument("--bench-section", default=None, choices=["ngram", "draft", "load"],
+                   help="which section of --bench-json (default: the first of ngram, draft, load it has)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -64,6 +74,21 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         prompt_len=args.prompt_len, output_len=args.output_len)
 
 
+def measured_acceptance(args: argparse.Namespace) -> MeasuredAcceptance | None:
+    """The acceptance ``--metrics-url`` / ``--bench-json`` point at (None without either).
+
+    Raises:
+        InvalidRequestError: the source cannot be read or has no spec-decode counts.
+    """
+    from kvserve.planner import measured
+
+    if getattr(args, "metrics_url", None):
+        return measured.acceptance_from_metrics_url(args.metrics_url)
+    if getattr(args, "bench_json", None):
+        return measured.acceptance_from_bench_json(args.bench_json, getattr(args, "bench_section", None))
+    return None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from kvserve.planner.model_info import load_model_info
     from kvserve.planner.plan import build_plan
@@ -74,7 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from kvserve.planner.bandwidth import measure_bandwidth
 
         measured = measure_bandwidth()._asdict()
-    plan = build_plan(load_model_info(args.model), opts, measured)
+    acceptance = measured_acceptance(args)
+    plan = build_plan(load_model_info(args.model), opts, measured, acceptance)
     if args.json:
         json.dump(plan, sys.stdout, indent=1)
         print()

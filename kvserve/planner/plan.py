@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvserve import cost_model as cm
+from kvserve.planner.measured import MeasuredAcceptance
 from kvserve.planner.model_info import ModelInfo
 
 GiB = 1 << 30
@@ -72,9 +73,33 @@ def dtype_bytes(name: str) -> int:
     return cm.KV_DTYPE_BYTES[name]
 
 
-def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | None = None) -> dict[str, Any]:
+def spec_decode_section(draft_cost_ratio: float, acceptance: MeasuredAcceptance | None = None) -> dict[str, Any]:
+    """Speedup ``E(α, k) / (k c + 1)`` for α in :data:`ALPHAS` × k in 1..:data:`MAX_K`, the best k per α.
+
+    With a measured ``acceptance`` its α gets a row of its own (in α order, ``"measured": true``; it
+    replaces a listed α it equals) and ``"measured"`` holds the measurement and that row's best k.
+    """
+    def row(al: float, measured: bool) -> dict[str, Any]:
+        best_k, best = cm.spec_decode_best_k(al, draft_cost_ratio, MAX_K)
+        return {"alpha": al, "speedup": [cm.spec_decode_speedup(al, k, draft_cost_ratio) for k in range(1, MAX_K + 1)],
+                "best_k": best_k, "best_speedup": best, "measured": measured}
+
+    rows = [row(al, False) for al in ALPHAS if acceptance is None or abs(al - acceptance.alpha) > 1e-9]
+    out: dict[str, Any] = {"draft_cost_ratio": draft_cost_ratio, "k": list(range(1, MAX_K + 1)), "rows": rows,
+                           "measured": None}
+    if acceptance is not None:
+        m = row(acceptance.alpha, True)
+        rows.append(m)
+        rows.sort(key=lambda r: r["alpha"])
+        out["measured"] = {**acceptance.as_dict(), "best_k": m["best_k"], "best_speedup": m["best_speedup"]}
+    return out
+
+
+def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | None = None,
+               acceptance: MeasuredAcceptance | None = None) -> dict[str, Any]:
     """The whole plan. ``measured``: bandwidths measured on this machine (bytes/s: ``memory``, ``copy``), used
-    where ``opts`` gives none.
+    where ``opts`` gives none. ``acceptance``: a measured speculative-decoding acceptance
+    (``planner.measured``), shown as its own row of the spec-decode table.
 
     Raises:
         ValueError: no bandwidth given or measured, an unknown dtype, or an invalid size.
@@ -135,11 +160,7 @@ def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | 
                        "choice": "recompute" if prefill > cm.fetch_break_even_prefill_tokens_per_s(s, bpt)
                        else "fetch"} for name, s in opts.links.items()]}
 
-    spec = {"draft_cost_ratio": opts.draft_cost_ratio, "k": list(range(1, MAX_K + 1)),
-            "rows": [{"alpha": al, "speedup": [cm.spec_decode_speedup(al, k, opts.draft_cost_ratio)
-                                               for k in range(1, MAX_K + 1)],
-                      "best_k": cm.spec_decode_best_k(al, opts.draft_cost_ratio, MAX_K)[0],
-                      "best_speedup": cm.spec_decode_best_k(al, opts.draft_cost_ratio, MAX_K)[1]} for al in ALPHAS]}
+    spec = spec_decode_section(opts.draft_cost_ratio, acceptance)
 
     quant = {"kv_bytes_per_token_8bit": bpt8, "concurrency_gain": cm.concurrency_gain(b, 1),
              "rows": [{"seq_len": r["seq_len"], "max_concurrency": r["max_concurrency"],

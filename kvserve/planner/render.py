@@ -22,13 +22,38 @@ def _s(t: float) -> str:
     return f"{t * 1000:,.2f} ms" if t < 1 else f"{t:,.2f} s"
 
 
-def _table(title: str, cols: list[str], rows: list[list[str]], caption: str = "") -> Table:
+def _table(title: str, cols: list[str], rows: list[list[str]], caption: str = "",
+           styles: list[str | None] | None = None) -> Table:
     t = Table(title=title, caption=caption or None, title_justify="left")
     for c in cols:
         t.add_column(c, justify="left" if c in ("link", "check", "reason") else "right")
-    for r in rows:
-        t.add_row(*r)
+    for i, r in enumerate(rows):
+        t.add_row(*r, style=styles[i] if styles else None)
     return t
+
+
+def spec_decode_table(sd: dict[str, Any]) -> Table:
+    """The spec-decode speedup table; a measured α's row in bold, marked, and named in the caption."""
+    rows, styles = [], []
+    for r in sd["rows"]:
+        measured = r.get("measured", False)
+        rows.append([f"{r['alpha']:.3f} measured" if measured else f"{r['alpha']:.1f}",
+                     *[f"{s:.2f}" for s in r["speedup"]],
+                     f"{r['best_k']} ({r['best_speedup']:.2f}×)" + (" ◀" if measured else "")])
+        styles.append("bold yellow" if measured else None)
+    caption = "only while compute is idle (low batch); Leviathan et al. 2023"
+    m = sd.get("measured")
+    if m:
+        extra = []
+        if m.get("mean_accepted_len") is not None:
+            extra.append(f"mean accepted length {m['mean_accepted_len']:.2f}")
+        if m.get("alpha_token") is not None:
+            extra.append(f"per-token estimate {m['alpha_token']:.3f}")
+        caption = (f"measured α = {m['num_accepted_tokens']:,.0f} accepted / {m['num_draft_tokens']:,.0f} draft "
+                   f"tokens = {m['alpha']:.3f} ({m['source']}){'; ' + ', '.join(extra) if extra else ''}: best "
+                   f"k = {m['best_k']} ({m['best_speedup']:.2f}×)\n" + caption)
+    return _table(f"Speculative decoding speedup (draft cost {sd['draft_cost_ratio']:g} of a target step)",
+                  ["α", *[f"k={k}" for k in sd["k"]], "best k"], rows, caption, styles)
 
 
 def render_plan(plan: dict[str, Any], console: Console | None = None) -> None:
@@ -62,12 +87,7 @@ def render_plan(plan: dict[str, Any], console: Console | None = None) -> None:
                    "tok/s)", ["link", "GB/s", "break-even prefill tok/s", "fetch", "recompute", "cheaper"],
                    [[r["link"], f"{r['link_bytes_per_s'] / GB:g}", f"{r['break_even_prefill_tokens_per_s']:,.0f}",
                      _s(r["fetch_s"]), _s(r["recompute_s"]), r["choice"]] for r in f["rows"]]))
-    sd = plan["spec_decode"]
-    c.print(_table(f"Speculative decoding speedup (draft cost {sd['draft_cost_ratio']:g} of a target step)",
-                   ["α", *[f"k={k}" for k in sd["k"]], "best k"],
-                   [[f"{r['alpha']:.1f}", *[f"{s:.2f}" for s in r["speedup"]],
-                     f"{r['best_k']} ({r['best_speedup']:.2f}×)"] for r in sd["rows"]],
-                   "only while compute is idle (low batch); Leviathan et al. 2023"))
+    c.print(spec_decode_table(plan["spec_decode"]))
     q = plan["kv_8bit"]
     c.print(_table(f"8-bit KV cache: {q['kv_bytes_per_token_8bit']:,} B/token, {q['concurrency_gain']:g}× concurrency",
                    ["seq len", "max concurrency", "with 8-bit KV"],
