@@ -520,7 +520,8 @@ class LLMEngine:
         perf = self.perf
         if out.swap_bytes > 0 and out.swap_seconds > 0:
             perf.copy_bytes_per_s = ema(perf.copy_bytes_per_s, out.swap_bytes / out.swap_seconds)
-        prefill = sum(s.num_scheduled_tokens for s in so.scheduled if s.num_scheduled_tokens > 1 and not s.num_spec_tokens)
+        prefill = sum(s.num_scheduled_tokens for s in so.scheduled
+                      if s.num_scheduled_tokens > 1 and not s.num_spec_tokens)
         total = so.total_num_scheduled_tokens
         if prefill >= 64 and prefill >= 0.75 * total and seconds > out.swap_seconds:
             perf.prefill_tokens_per_s = ema(perf.prefill_tokens_per_s, total / (seconds - out.swap_seconds))

@@ -133,8 +133,8 @@ class SpecController:
     # ---- decisions -----------------------------------------------------------------------------
     def begin_step(self) -> None:
         """Called by the scheduler at the start of every ``schedule()``."""
-        self.stats.last_mean_k = sum(self._step_k) / len(self._step_k) if self._step_k else 0.0
         self._step_k = []
+        self.stats.last_mean_k = 0.0
 
     def num_spec_tokens(self, request_id: str, num_decodes: int, num_prefill_tokens: int, limit: int,
                         eligible: bool = True) -> int:
@@ -148,6 +148,7 @@ class SpecController:
         """
         k = self._choose(request_id, num_decodes, num_prefill_tokens, limit) if eligible else 0
         self._step_k.append(k)
+        self.stats.last_mean_k = sum(self._step_k) / len(self._step_k)
         return k
 
     def _choose(self, request_id: str, num_decodes: int, num_prefill_tokens: int, limit: int) -> int:

@@ -142,8 +142,9 @@ def test_controller_fixed_k_and_batch_size_switch() -> None:
     c = SpecController(SpeculativeConfig("ngram", 3, adaptive=False, disable_by_batch_size=4), 64)
     assert c.num_spec_tokens("x", 4, 0, 10) == 3
     assert c.num_spec_tokens("x", 5, 0, 10) == 0
+    assert c.stats.last_mean_k == 1.5  # this step's decodes so far
     c.begin_step()
-    assert c.stats.last_mean_k == 1.5
+    assert c.stats.last_mean_k == 0.0
 
 
 # ---- scheduler ----------------------------------------------------------------------------------------
@@ -201,7 +202,8 @@ def test_stop_token_inside_accepted_run_drops_the_rest() -> None:
     r = req("r", [1, 2, 3], max_tokens=20, stop_token_ids=[42])
     s.add_request(r)
     step_with(s, s.schedule(), {"r": [7]})
-    updates = s.update_from_output(out := s.schedule(), ModelRunnerOutput(["r"], [[8, 42, 9, 10]], num_draft_tokens=[3]))
+    out = s.schedule()
+    updates = s.update_from_output(out, ModelRunnerOutput(["r"], [[8, 42, 9, 10]], num_draft_tokens=[3]))
     assert out.scheduled[0].num_spec_tokens == 3
     assert r.output_token_ids == [7, 8, 42] and r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 42
     assert updates[0].new_token_ids == [8, 42]
