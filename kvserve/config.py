@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
+from kvserve.kv_offload.config import KVOffloadConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -56,6 +57,14 @@ class EngineConfig:
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: no limit), as vLLM.
         generation_config: default sampling parameters: ``auto`` (the model's generation_config.json, as
             vLLM), ``vllm`` (none) or a folder with a generation_config.json.
+        kv_offload_cpu_gib: KV offload: host-memory tier for blocks evicted from the device pool (GiB; 0: off).
+        kv_offload_disk_path / kv_offload_disk_gib: a directory tier (write-through behind the cpu tier,
+            survives restarts) and its size (GiB; used only with a path).
+        kv_offload_redis_url: a Redis pool shared by instances (``redis://host:port/db``, ``rediss://``);
+            it must be a trusted, authenticated store: whoever can write to it can poison cached KV.
+        kv_offload_redis_prefix: key prefix of this deployment in that Redis.
+        kv_offload_redis_timeout: seconds per Redis call before it counts as a miss.
+        kv_offload_publish: publish blocks computed here to Redis (False: read-only instance).
         speculative_config: speculative decoding, vLLM's JSON object (text or dict), e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
             ``spec_decode.config.SpeculativeConfig``. None: off.
@@ -87,9 +96,17 @@ class EngineConfig:
     generation_config: str = "auto"
     max_logprobs: int = 20
     speculative_config: SpeculativeConfig | str | dict[str, Any] | None = None
+    kv_offload_cpu_gib: float = 0.0
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_gib: float = 10.0
+    kv_offload_redis_url: str | None = None
+    kv_offload_redis_prefix: str = "kvserve:"
+    kv_offload_redis_timeout: float = 0.2
+    kv_offload_publish: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        self.kv_offload()  # validates the offload fields
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
@@ -159,6 +176,22 @@ class EngineConfig:
                             "or a folder with a generation_config.json")
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+        o = parser.add_argument_group("kv offload")
+        o.add_argument("--kv-offload-cpu-gib", type=float, default=d.kv_offload_cpu_gib,
+                       help="host-memory tier for KV blocks evicted from the device pool (GiB; 0: off)")
+        o.add_argument("--kv-offload-disk-path", default=None, help="directory of the disk tier (survives restarts)")
+        o.add_argument("--kv-offload-disk-gib", type=float, default=d.kv_offload_disk_gib,
+                       help="size of the disk tier (GiB)")
+        o.add_argument("--kv-offload-redis-url", default=None,
+                       help="redis://host:port/db (rediss:// for TLS) of a KV pool shared by instances; a trusted, "
+                            "authenticated store only (a writer can poison cached KV); password in the URL or "
+                            "KVSERVE_REDIS_PASSWORD")
+        o.add_argument("--kv-offload-redis-prefix", default=d.kv_offload_redis_prefix,
+                       help="key prefix of this deployment in Redis")
+        o.add_argument("--kv-offload-redis-timeout", type=float, default=d.kv_offload_redis_timeout,
+                       help="seconds per Redis call before it counts as a miss")
+        o.add_argument("--kv-offload-publish", action=argparse.BooleanOptionalAction, default=d.kv_offload_publish,
+                       help="publish blocks computed here to Redis (--no-kv-offload-publish: read-only)")
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '
@@ -170,6 +203,23 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def kv_offload(self) -> KVOffloadConfig:
+        """The offload tiers' configuration (``KVOffloadConfig.enabled`` False: none).
+
+        Raises:
+            InvalidRequestError: a value out of range (the field named as the flag).
+        """
+        try:
+            return KVOffloadConfig(
+                cpu_gib=self.kv_offload_cpu_gib, disk_path=self.kv_offload_disk_path,
+                disk_gib=self.kv_offload_disk_gib if self.kv_offload_disk_path is not None else 0.0,
+                redis_url=self.kv_offload_redis_url, redis_prefix=self.kv_offload_redis_prefix,
+                redis_timeout_s=self.kv_offload_redis_timeout, publish=self.kv_offload_publish)
+        except InvalidRequestError as e:
+            name = {"redis_timeout_s": "redis_timeout"}.get(e.param or "", e.param or "")
+            message = str(e).removeprefix(f"{e.param}: ") if e.param else str(e)
+            raise InvalidRequestError(f"kv_offload_{name}: {message}", param=f"kv_offload_{name}") from None
 
     @property
     def spec(self) -> SpeculativeConfig | None:

@@ -30,6 +30,12 @@ thread-safe, and the HTTP thread only renders them.
 | ``spec_decode_num_accepted_tokens_total`` | counter | draft tokens accepted |
 | ``spec_decode_num_accepted_tokens_per_pos_total{position}`` | counter | accepted drafts by position in the round |
 | ``spec_decode_mean_k`` | gauge | mean draft length over the decoding requests of the latest step |
+| ``kv_offload_queries_total{tier}`` / ``kv_offload_hits_total{tier}`` | counter | tokens looked up / found |
+| ``kv_offload_loaded_tokens_total{tier}`` | counter | tokens loaded from a tier into device blocks |
+| ``kv_offload_bytes_stored_total{tier}`` / ``..._bytes_loaded_total{tier}`` | counter | payload bytes |
+| ``kv_offload_load_seconds{tier}`` | histogram | time to load one request's run of blocks from a tier |
+| ``kv_offload_errors_total{tier,kind}`` | counter | misses by cause (timeout, connection, checksum, ...) |
+| ``kv_offload_stores_dropped_total`` | counter | blocks not stored: the writer queue was full |
 
 Gauges are refreshed after every loop iteration, including the ones that only process aborts, so they
 return to 0 as soon as the engine is idle (no stale values after a wave of cancellations).
@@ -42,6 +48,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from kvserve.core.scheduler import SchedulerStats
+from kvserve.kv_offload.manager import OffloadSnapshot
 from kvserve.outputs import RequestOutput
 
 PREFIX = "kvserve:"  # the default; ``EngineMetrics(prefix=...)`` changes it
@@ -149,6 +156,22 @@ class EngineMetrics:
                                      "Accepted draft tokens by position in the round (0-based).",
                                      ["model_name", "position"], registry=r)
         self.spec_mean_k = gauge("spec_decode_mean_k", "Mean draft length k over the latest step's decodes.")
+        tier_labels = ["model_name", "tier"]
+
+        def tier_counter(name: str, doc: str, extra: list[str] | None = None) -> Counter:
+            return Counter(pfx + name, doc, tier_labels + (extra or []), registry=r)
+
+        self._off_queries = tier_counter("kv_offload_queries", "Prompt tokens looked up in an offload tier.")
+        self._off_hits = tier_counter("kv_offload_hits", "Prompt tokens found in an offload tier.")
+        self._off_loaded = tier_counter("kv_offload_loaded_tokens", "Tokens loaded from a tier into device blocks.")
+        self._off_stored = tier_counter("kv_offload_bytes_stored", "KV payload bytes stored in a tier.")
+        self._off_bytes_loaded = tier_counter("kv_offload_bytes_loaded", "KV payload bytes loaded from a tier.")
+        self._off_errors = tier_counter("kv_offload_errors", "Offload misses and refusals by cause.", ["kind"])
+        self._off_load_seconds = Histogram(pfx + "kv_offload_load_seconds",
+                                           "Time to load one request's run of blocks from a tier (s).",
+                                           tier_labels, buckets=_ITL_BUCKETS, registry=r)
+        self.kv_offload_stores_dropped = counter("kv_offload_stores_dropped",
+                                                 "KV blocks not stored: the offload writer queue was full.")
         self._progress: dict[str, _Progress] = {}
         self._last: SchedulerStats | None = None
 
@@ -227,7 +250,25 @@ class EngineMetrics:
                 prev = ls.accepted_per_pos[pos] if ls and pos < len(ls.accepted_per_pos) else 0
                 self._spec_per_pos.labels(self._model_name, str(pos)).inc(n - prev)
             self.spec_mean_k.set(s.last_mean_k)
+        if stats.offload is not None:
+            self._update_offload(stats.offload, last.offload if last is not None else None)
         self._last = stats
+
+    def _update_offload(self, o: OffloadSnapshot, lo: OffloadSnapshot | None) -> None:
+        m = self._model_name
+        for name, t in o.tiers.items():
+            prev = lo.tiers.get(name) if lo is not None else None
+            self._off_queries.labels(m, name).inc(t.queries_tokens - (prev.queries_tokens if prev else 0))
+            self._off_hits.labels(m, name).inc(t.hits_tokens - (prev.hits_tokens if prev else 0))
+            self._off_stored.labels(m, name).inc(t.bytes_stored - (prev.bytes_stored if prev else 0))
+            self._off_bytes_loaded.labels(m, name).inc(t.bytes_loaded - (prev.bytes_loaded if prev else 0))
+            self._off_loaded.labels(m, name).inc(o.loaded_tokens.get(name, 0) - (
+                lo.loaded_tokens.get(name, 0) if lo is not None else 0))
+            for kind, n in t.errors.items():
+                self._off_errors.labels(m, name, kind).inc(n - (prev.errors.get(kind, 0) if prev else 0))
+        self.kv_offload_stores_dropped.inc(o.stores_dropped - (lo.stores_dropped if lo is not None else 0))
+        for name, seconds in o.load_seconds:
+            self._off_load_seconds.labels(m, name).observe(seconds)
 
     # ---- read by the HTTP side -----------------------------------------------------------------
     def render(self) -> bytes:

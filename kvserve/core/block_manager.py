@@ -71,6 +71,12 @@ class BlockManager:
         # Per request: how many leading blocks of its table are already committed to the cache.
         self._num_committed: dict[str, int] = {}
         self.num_evictions = 0
+        # KV offload (kv_offload/): cached blocks evicted since the last ``take_offload`` (their contents are
+        # still intact until this step's forward) and blocks committed since then (to publish).
+        self.record_evictions = False
+        self.record_commits = False
+        self._evicted: list[tuple[BlockId, BlockHash]] = []
+        self._committed: list[tuple[BlockId, BlockHash]] = []
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -144,6 +150,8 @@ class BlockManager:
             if self.block_hashes[block_id] is None and block_hash not in self.cached_blocks:
                 self.block_hashes[block_id] = block_hash
                 self.cached_blocks[block_hash] = block_id
+                if self.record_commits:
+                    self._committed.append((block_id, block_hash))
         self._num_committed[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> int:
@@ -167,6 +175,8 @@ class BlockManager:
             del self.cached_blocks[block_hash]
             self.block_hashes[block_id] = None
             self.num_evictions += 1
+            if self.record_evictions:
+                self._evicted.append((block_id, block_hash))
         return block_id
 
     def _touch(self, block_id: BlockId) -> None:
@@ -258,6 +268,17 @@ class BlockManager:
         self.block_tables[child_id] = table
         if parent_id in self._num_committed:
             self._num_committed[child_id] = self._num_committed[parent_id]
+
+    def take_offload(self) -> tuple[list[tuple[BlockId, BlockHash]], list[tuple[BlockId, BlockHash]]]:
+        """Blocks evicted and blocks committed since the last call, ``(block, hash)`` each (KV offload).
+
+        A committed block evicted since is left out of the second list (its contents are in the first, and
+        its block may be rewritten this step): a published block always holds the KV its hash names.
+        """
+        evicted = self._evicted
+        committed = [(b, h) for b, h in self._committed if self.block_hashes[b] == h]
+        self._evicted, self._committed = [], []
+        return evicted, committed
 
     def take_pending_copies(self) -> list[tuple[BlockId, BlockId]]:
         copies, self.pending_copies = self.pending_copies, []

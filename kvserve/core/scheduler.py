@@ -37,11 +37,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvserve.core.block_hash import BlockHash
 from kvserve.core.block_manager import BlockId, BlockManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvserve.core.stop_checker import check_stop
 from kvserve.cost_model import preempt_choice
+from kvserve.kv_offload.manager import OffloadManager, OffloadSnapshot
 from kvserve.spec_decode.controller import SpecController, SpecStats
 
 
@@ -110,6 +112,7 @@ class SchedulerStats:
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up / found, each request once.
         swapped_bytes: bytes copied by swaps, out and in.
         spec: speculative decoding's counters (None: off).
+        offload: the KV offload tiers' counters (None: off).
     """
 
     num_running: int
@@ -124,6 +127,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     spec: SpecStats | None = None
+    offload: OffloadSnapshot | None = None
 
 
 @dataclass
@@ -144,6 +148,7 @@ class _Step:
     preempted: list[str] = field(default_factory=list)
     swap_out: list[tuple[BlockId, int]] = field(default_factory=list)
     swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
+    loads: list[tuple[BlockId, bytes]] = field(default_factory=list)
     swapped_in: set[str] = field(default_factory=set)
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens scheduled this step
 
@@ -163,6 +168,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.perf = perf or PerfEstimates()
         self.spec = spec  # speculative decoding's k controller (None: off)
+        self.offload: OffloadManager | None = None  # KV offload tiers (None: off); see set_offload
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -295,7 +301,8 @@ class Scheduler:
             len(self.running), len(self.waiting), len(self.swapped), partial, self.block_manager.usage,
             self.num_preemptions, self.num_preemptions_by_mode["recompute"], self.num_preemptions_by_mode["swap"],
             self.swapped_bytes, self.prefix_cache_queries, self.prefix_cache_hits,
-            self.spec.stats.snapshot() if self.spec is not None else None)
+            self.spec.stats.snapshot() if self.spec is not None else None,
+            self.offload.snapshot() if self.offload is not None else None)
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -339,6 +346,12 @@ class Scheduler:
             self._admit_waiting(step)
 
         finished, self._finished_ids = self._finished_ids, []
+        offload: list[tuple[BlockId, BlockHash, bool]] = []
+        if self.offload is not None:
+            if finished:
+                self.offload.release(finished)
+            evicted, committed = bm.take_offload()
+            offload = [(b, h, True) for b, h in evicted] + [(b, h, False) for b, h in committed]
         return SchedulerOutput(
             scheduled=step.scheduled,
             blocks_to_copy=bm.take_pending_copies(),
@@ -346,7 +359,17 @@ class Scheduler:
             blocks_to_swap_in=step.swap_in,
             preempted_request_ids=step.preempted,
             finished_request_ids=finished,
+            blocks_to_offload=offload,
+            blocks_to_load=step.loads,
         )
+
+    def set_offload(self, manager: OffloadManager, publish: bool) -> None:
+        """Turn on KV offload: evicted cached blocks (and, with ``publish``, every newly committed block) are
+        handed to ``manager``'s tiers, and admission continues a request's device prefix hits with the
+        tiers' (loaded into fresh device blocks, counted as cached tokens)."""
+        self.offload = manager
+        self.block_manager.record_evictions = True
+        self.block_manager.record_commits = publish
 
     def _prefill_demand(self, num_decodes: int) -> int:
         """Prefill tokens this step would compute besides ``num_decodes`` decodes (for the k controller)."""
@@ -438,7 +461,14 @@ class Scheduler:
                     continue
                 break
             hits = bm.get_computed_blocks(request)
-            num_computed = len(hits) * bm.block_size
+            loaded: list[bytes] = []
+            if self.offload is not None and bm.enable_caching and request.sampling_params.prompt_logprobs is None:
+                got = self.offload.lookup(request, len(hits), (request.num_tokens - 1) // bm.block_size - len(hits))
+                if got is None:
+                    i += 1  # its blocks are being fetched from a slower tier: let the next one go first
+                    continue
+                loaded = got
+            num_computed = (len(hits) + len(loaded)) * bm.block_size
             num_new = self._num_new_tokens(request, step, admitted=True, num_computed=num_computed)
             if num_new == 0:
                 break
@@ -446,10 +476,17 @@ class Scheduler:
                     and self._num_partial(step) >= self.config.max_num_partial_prefills):
                 i += 1  # it would be one partial prefill too many: let the next one try
                 continue
-            if not bm.allocate_slots(request.request_id, num_computed, num_new, hits):
+            if not bm.allocate_slots(request.request_id, len(hits) * bm.block_size,
+                                     len(loaded) * bm.block_size + num_new, hits):
                 if self._preempt_for(request, step):
                     continue
                 break
+            if loaded:  # offload hits: fresh blocks, written before the forward, cached from now on
+                table = bm.get_block_table(request.request_id)
+                step.loads.extend(zip(table[len(hits):len(hits) + len(loaded)], loaded, strict=True))
+                record, bm.record_commits = bm.record_commits, False  # (they came from a tier: not republished)
+                bm.cache_blocks(request, num_computed)
+                bm.record_commits = record
             del self.waiting[i]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.core.block_hash import BlockHash
 from kvserve.core.block_manager import BlockId
 from kvserve.core.request import Request
 
@@ -42,6 +43,11 @@ class SchedulerOutput:
         blocks_to_copy: ``(src, dst)`` device block copies (copy-on-write), done third, before the forward.
         preempted_request_ids: requests preempted by recompute this step (their blocks are already freed).
         finished_request_ids: requests finished or aborted since the previous step (drop their state).
+        blocks_to_offload: ``(device_block, hash, evicted)``: KV offload: read these blocks' contents
+            first of all (before any copy or write of this step): evicted ones go to the local tiers,
+            newly committed ones (``evicted`` False) are published to the remote tiers.
+        blocks_to_load: ``(device_block, payload)``: KV offload hits to write into fresh device blocks after
+            the copies and before the forward.
     """
 
     scheduled: list[ScheduledRequest]
@@ -50,6 +56,8 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, BlockId]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    blocks_to_offload: list[tuple[BlockId, BlockHash, bool]] = field(default_factory=list)
+    blocks_to_load: list[tuple[BlockId, bytes]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -99,6 +107,7 @@ class ModelRunnerOutput:
         prompt_logprobs: per request id, the prompt tokens scored this step (also on steps that do not
             sample); only for requests that asked for ``prompt_logprobs``. A request recomputed after
             preemption scores its prompt again: the engine keeps the first copy.
+        offloaded: ``(hash, payload, evicted)`` of the step's ``blocks_to_offload`` (for the offload tiers).
         swap_bytes: bytes copied between device and host swap pool this step (out + in).
         swap_seconds: wall time of those copies (the engine's copy-bandwidth estimate uses both).
     """
@@ -107,6 +116,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
     num_draft_tokens: list[int] | None = None
+    offloaded: list[tuple[BlockHash, bytes, bool]] = field(default_factory=list)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     swap_bytes: int = 0
     swap_seconds: float = 0.0

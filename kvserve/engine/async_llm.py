@@ -236,6 +236,8 @@ class AsyncLLM:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._fail_all(EngineDeadError("the server is shutting down"))
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.close()  # queued KV blocks reach the offload tiers (disk survives the restart)
 
     @property
     def is_dead(self) -> bool:

@@ -26,6 +26,9 @@ from kvserve.core.scheduler import PerfEstimates, RequestUpdate, Scheduler, Sche
 from kvserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
 from kvserve.engine.generation_config import load_generation_defaults
 from kvserve.errors import InvalidRequestError, PromptTooLongError
+from kvserve.kv_offload.config import build_tiers
+from kvserve.kv_offload.manager import OffloadManager
+from kvserve.kv_offload.tier import BlockMeta
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_weights
@@ -228,6 +231,19 @@ class LLMEngine:
                                   kv_dtype=self.kv_dtype)
         if self.spec_config is not None:
             self._setup_speculation(self.spec_config, num_host_blocks)
+        self.offload: OffloadManager | None = None
+        offload_config = config.kv_offload()
+        if offload_config.enabled:
+            if not config.enable_prefix_caching:
+                raise InvalidRequestError("kv_offload: the offload tiers extend the prefix cache; they need "
+                                          "--enable-prefix-caching", param="enable_prefix_caching")
+            meta = BlockMeta(self.fingerprint, str(self.kv_dtype).removeprefix("torch."), config.block_size,
+                             self.runner.offload_block_shape)
+            self.offload = OffloadManager(build_tiers(offload_config, meta), config.block_size, meta.nbytes,
+                                          lambda: self.perf.prefill_tokens_per_s, offload_config.publish)
+            self.scheduler.set_offload(self.offload, publish=self.offload.publish)
+            logger.info("KV offload tiers: %s (block %d bytes)", ", ".join(
+                repr(t) if t.name == "redis" else t.name for t in self.offload.tiers), meta.nbytes)
         # Structured output (xgrammar): grammars compile on first use, cached per schema (shared with the server).
         self.structured_outputs: StructuredOutputBackend | None = None
         if self.tokenizer is not None:
@@ -475,7 +491,7 @@ class LLMEngine:
         """
         outputs, self._pending = self._pending, []
         so = self.scheduler.schedule()
-        if so.is_empty and not so.blocks_to_swap_out:
+        if so.is_empty and not so.blocks_to_swap_out and not so.blocks_to_offload:
             return outputs
         try:
             t0 = time.perf_counter()
@@ -483,6 +499,8 @@ class LLMEngine:
             self._update_perf(so, runner_out, time.perf_counter() - t0)
             if self.spec is not None and self.runner.last_forward_tokens:
                 self.spec.target_time.observe(self.runner.last_forward_tokens, self.runner.last_forward_seconds)
+            if self.offload is not None and runner_out.offloaded:
+                self.offload.offer(runner_out.offloaded)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("model step failed; failing its %d requests", len(so.scheduled))
             self.scheduler.recompute_swapped(so.preempted_request_ids)
@@ -611,6 +629,11 @@ class LLMEngine:
         out = self._make_output(group)
         out.metrics["finished_time"] = time.monotonic()
         return out
+
+    def close(self) -> None:
+        """Store the KV blocks still queued for the offload tiers and close them (idempotent)."""
+        if self.offload is not None:
+            self.offload.close()
 
     # ---- stats ---------------------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from kvserve.core.block_hash import BlockHash
 from kvserve.core.block_manager import BlockId
 from kvserve.core.request import Request
 from kvserve.core.scheduler_output import (
@@ -138,7 +139,9 @@ class ModelRunner:
         if self.proposer is not None and (so.finished_request_ids or so.preempted_request_ids):
             self.proposer.release(so.finished_request_ids + so.preempted_request_ids)  # recompute: new blocks
         # NOTE: swaps and copies happen even on a step with nothing scheduled, in the contract's order:
-        # swap out (frees device blocks this step may reuse), swap in, copy-on-write, then the forward.
+        # offload reads (evicted blocks are rewritten below), swap out (frees device blocks this step may
+        # reuse), swap in, copy-on-write, offload loads, then the forward.
+        offloaded = self.export_blocks(so.blocks_to_offload) if so.blocks_to_offload else []
         swap_bytes, swap_seconds = self.swap_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in)
         if so.blocks_to_copy:
             src = torch.tensor([s for s, _ in so.blocks_to_copy], device=self.device)
@@ -147,9 +150,51 @@ class ModelRunner:
                 for k_cache, v_cache in caches:
                     k_cache[dst] = k_cache[src]
                     v_cache[dst] = v_cache[src]
+        if so.blocks_to_load:
+            self.import_blocks(so.blocks_to_load)
         if not so.scheduled:  # (not ``is_empty``: that may come to count swaps and copies as work)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], swap_bytes=swap_bytes,
-                                     swap_seconds=swap_seconds)
+                                     swap_seconds=swap_seconds, offloaded=offloaded)
+        out = self._execute(so)
+        out.swap_bytes, out.swap_seconds, out.offloaded = swap_bytes, swap_seconds, offloaded
+        return out
+
+    # ---- KV offload ----------------------------------------------------------------------------
+    @property
+    def offload_block_shape(self) -> tuple[int, ...]:
+        """The payload shape of one block: ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``."""
+        return (len(self.kv_caches), 2, *self.kv_caches[0][0].shape[1:])
+
+    def export_blocks(self, blocks: list[tuple[BlockId, BlockHash, bool]]) -> list[tuple[BlockHash, bytes, bool]]:
+        """The target cache's contents of ``blocks`` as payload bytes (layout ``offload_block_shape``, the
+        cache dtype, C order), one gather per layer and one device -> host copy."""
+        idx = torch.tensor([b for b, _, _ in blocks], dtype=torch.int64, device=self.device)
+        data = torch.stack([torch.stack([k.index_select(0, idx), v.index_select(0, idx)], dim=1)
+                            for k, v in self.kv_caches], dim=1)  # [n, L, 2, bs, H, D]
+        raw = data.cpu().contiguous().view(torch.uint8).numpy()
+        return [(h, raw[i].tobytes(), evicted) for i, (_, h, evicted) in enumerate(blocks)]
+
+    def import_blocks(self, loads: list[tuple[BlockId, bytes]]) -> None:
+        """Write payloads (as ``export_blocks`` makes them) into device blocks of the target cache.
+
+        Raises:
+            ValueError: a payload of the wrong size.
+        """
+        shape = self.offload_block_shape
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        for _, payload in loads:
+            if len(payload) != nbytes:
+                raise ValueError(f"KV payload of {len(payload)} bytes, expected {nbytes}")
+        raw = np.frombuffer(b"".join(p for _, p in loads), dtype=np.uint8)
+        data = torch.from_numpy(raw.copy()).view(self.dtype).view(len(loads), *shape).to(self.device)
+        idx = torch.tensor([b for b, _ in loads], dtype=torch.int64, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, data[:, layer, 0])
+            v.index_copy_(0, idx, data[:, layer, 1])
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The forward and the sampling of a step with scheduled requests (``execute_model``'s second half)."""
+        swap_bytes, swap_seconds = 0, 0.0
         scheduled, draft_probs = so.scheduled, None
         if self.proposer is not None:
             scheduled, draft_probs = self.proposer.propose(so.scheduled)
