@@ -481,6 +481,8 @@ class Scheduler:
                 if self._preempt_for(request, step):
                     continue
                 break
+            if self.offload is not None:
+                self.offload.release([request.request_id])
             if loaded:  # offload hits: fresh blocks, written before the forward, cached from now on
                 table = bm.get_block_table(request.request_id)
                 step.loads.extend(zip(table[len(hits):len(hits) + len(loaded)], loaded, strict=True))

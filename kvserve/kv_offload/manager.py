@@ -123,18 +123,20 @@ class OffloadManager:
         tiers hold (at most ``max_blocks``), ready to load; ``[]`` when none (or not worth fetching); None
         while a background fetch for it runs (pass the request over this step).
 
-        ``request.block_hashes`` must hold the chain (``BlockManager.request_block_hashes``).
+        ``request.block_hashes`` must hold the chain (``BlockManager.request_block_hashes``). The payloads
+        stay with the manager until ``release`` (call it once the request is admitted): a request that could
+        not be admitted this step gets the same payloads next time without asking the tiers again.
         """
         rid = request.request_id
         fetch = self._fetches.get(rid)
         if fetch is not None:
             if fetch.future is not None and not fetch.future.done():
                 return None
-            payloads = (fetch.payloads or []) if fetch.future is None else fetch.future.result()
-            del self._fetches[rid]
+            if fetch.future is not None:
+                fetch.payloads, fetch.future = fetch.future.result(), None
             if fetch.first_block == first_block:
-                return payloads[:max_blocks]
-            # the device cache changed meanwhile: look again
+                return (fetch.payloads or [])[:max_blocks]
+            del self._fetches[rid]  # the device cache changed meanwhile: look again
         if max_blocks <= 0 or not self.tiers:
             return []
         keys = [bytes(h) for h in request.block_hashes[first_block:first_block + max_blocks]]
@@ -162,7 +164,9 @@ class OffloadManager:
         plan = [(tier, keys[start:start + n]) for (tier, n), start in
                 zip(chosen, _starts([n for _, n in chosen]), strict=True)]
         if all(tier.name == "cpu" for tier, _ in plan):
-            return self._load(plan)
+            payloads = self._load(plan)
+            self._fetches[rid] = _Fetch(first_block, None, payloads)
+            return payloads
         self._fetches[rid] = _Fetch(first_block, self._pool.submit(self._load, plan))
         return None
 
@@ -197,7 +201,8 @@ class OffloadManager:
         return OffloadSnapshot(tiers, loaded, self.stats.stores_dropped, seconds)
 
     def release(self, request_ids: Sequence[str]) -> None:
-        """Forget fetches of finished or aborted requests (a running fetch completes and is dropped)."""
+        """Forget the lookups of admitted, finished or aborted requests (a running fetch completes and is
+        dropped)."""
         for rid in request_ids:
             self._fetches.pop(rid, None)
 
