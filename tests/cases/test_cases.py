@@ -317,12 +317,123 @@ def test_BC_16_preemption_recompute_not_counted_as_hits(server: Server) -> None:
     assert all(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for r in results)
 
 
-def test_BC_19_ngram_spec_decode_changes_greedy() -> None:
-    pytest.skip("needs speculative decoding (not built yet)")
+# ---- speculative decoding: servers identical but for --speculative-config (SmolLM2, fp32) -----------
+_REPETITIVE_PROMPTS = [
+    "def area_of_square(side_length):\n    return side_length * side_length\n\n\n"
+    "def area_of_rectangle(width, height):\n    return width * height\n\n\ndef perimeter_of_square(side_length):\n",
+    "Repeat the list exactly:\n1. apples\n2. oranges\n3. pears\n4. plums\n\n1. apples\n2.",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n\n"
+    "class Point3D:\n    def __init__(self, x, y, z):\n",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday, Monday, Tuesday,",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n",
+    "<ul>\n  <li>red</li>\n  <li>green</li>\n  <li>blue</li>\n</ul>\n<ul>\n  <li>",
+    "SELECT id, name FROM users WHERE id = 1;\nSELECT id, name FROM users WHERE id = 2;\n"
+    "SELECT id, name FROM users WHERE id =",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown",
+    '{"name": "Alice", "age": 30, "city": "Paris"}\n{"name": "Bob", "age": 25, "city": "Rome"}\n{"name":',
+    "a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u, v, w, x, y, z\na, b, c, d, e,",
+]
+_SPEC_FLAGS = ("--max-model-len", "512", "--max-num-seqs", "16", "--kv-cache-memory", "0.1")
+# "adaptive": false pins k = 4: with the adaptive default the k controller, measuring this CPU's step times,
+# mostly turns speculation off after a few rounds, and whether drafts happen would depend on the timing.
+_NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5, '
+          '"adaptive": false}')
 
 
-def test_BC_20_logprobs_under_spec_decode() -> None:
-    pytest.skip("needs speculative decoding (not built yet)")
+@pytest.fixture(scope="module")
+def spec_servers() -> Iterator[dict[str, Server]]:
+    """Server A without speculation, server B with n-gram speculation (k 4, n 2..5): same model and flags
+    otherwise."""
+    servers: dict[str, Server] = {}
+    try:
+        servers["off"] = Server(*_SPEC_FLAGS)
+        servers["ngram"] = Server(*_SPEC_FLAGS, "--speculative-config", _NGRAM)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def _completions(server: Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """All requests at once (a batch of decodes, as a loaded server sees them)."""
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        responses = list(pool.map(lambda b: _post(server, "/v1/completions", b, timeout=300), bodies))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    return [r.json()["choices"][0] for r in responses]
+
+
+def _accepted(server: Server) -> float:
+    return server.metrics().get("kvserve:spec_decode_num_accepted_tokens_total", 0.0)
+
+
+def test_BC_19_ngram_spec_decode_changes_greedy(spec_servers: dict[str, Server]) -> None:
+    """10 repetitive prompts, greedy, 128 tokens: the same tokens (their strings with logprobs 0: the API
+    returns no ids), text and finish reasons with n-gram speculation and with a draft model (SmolLM2
+    drafting for itself) as without; the servers' acceptance counters show that drafts were accepted."""
+    bodies = [{"prompt": p, "max_tokens": 128, "temperature": 0, "logprobs": 0} for p in _REPETITIVE_PROMPTS]
+
+    def key(choices: list[dict[str, Any]]) -> list[tuple[list[str], str, str]]:
+        return [(c["logprobs"]["tokens"], c["text"], c["finish_reason"]) for c in choices]
+
+    want = key(_completions(spec_servers["off"], bodies))
+    assert sum(len(t) == 128 for t, _, _ in want) >= 5
+    ngram = spec_servers["ngram"]
+    before = ngram.metrics()
+    assert key(_completions(ngram, bodies)) == want
+    accepted, drafted = _spec_counts(ngram, before)
+    assert 0 < accepted < drafted  # real n-gram drafts: many accepted, some rejected
+    # streamed, and cut by a stop string from the middle of the text (several tokens per step on B): the
+    # chunks add up to A's text, which ends right before the stop string
+    stops = ["".join(t[20:23]) for t, _, _ in want[:4]]
+    assert all(len(x) >= 2 and text.find(x) > 0 for x, (_, text, _) in zip(stops, want, strict=False))
+    cut = [{"prompt": p, "max_tokens": 128, "temperature": 0, "stop": [x]} for p, x in zip(_REPETITIVE_PROMPTS, stops,
+                                                                                          strict=False)]
+    cut_want = [(c["text"], c["finish_reason"]) for c in _completions(spec_servers["off"], cut)]
+    assert cut_want == [(text[:text.find(x)], "stop") for x, (_, text, _) in zip(stops, want, strict=False)]
+    assert [(c["text"], c["finish_reason"]) for c in _completions(ngram, cut)] == cut_want
+    with concurrent.futures.ThreadPoolExecutor(len(cut) + 2) as pool:
+        streams = list(pool.map(lambda b: _sse(ngram, "/v1/completions", b), cut + bodies[4:6]))
+    assert ["".join(_deltas(e)) for e in streams] == [t for t, _ in cut_want] + [text for _, text, _ in want[4:6]]
+    draft = Server(*_SPEC_FLAGS, "--speculative-config", '{"method": "draft_model", "model": '
+                   '"smollm2-135m-instruct", "num_speculative_tokens": 3, "adaptive": false}')
+    try:
+        before = draft.metrics()
+        assert key(_completions(draft, bodies)) == want
+        accepted, drafted = _spec_counts(draft, before)
+        assert 0 < accepted == drafted  # the target drafting for itself: every draft is its argmax
+    finally:
+        draft.stop()
+
+
+def _spec_counts(server: Server, before: dict[str, float]) -> tuple[float, float]:
+    """Draft tokens accepted and verified since ``before`` (a metrics sample)."""
+    after = server.metrics()
+    names = ("kvserve:spec_decode_num_accepted_tokens_total", "kvserve:spec_decode_num_draft_tokens_total")
+    accepted, drafted = (after[n] - before.get(n, 0.0) for n in names)
+    return accepted, drafted
+
+
+def test_BC_20_logprobs_under_spec_decode(spec_servers: dict[str, Server]) -> None:
+    """Logprobs of every generated token, accepted drafts included, are the target's: <= 0, not all 0.0,
+    within 1e-3 of the spec-off server's, 3 alternatives that contain the chosen token."""
+    prompt = _REPETITIVE_PROMPTS[0]
+    body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "logprobs": 3}
+    ngram = spec_servers["ngram"]
+    before = _accepted(ngram)
+    on = _completions(ngram, [body])[0]
+    assert _accepted(ngram) > before  # some of these tokens came from accepted drafts
+    off = _completions(spec_servers["off"], [body])[0]
+    lp, ref = on["logprobs"], off["logprobs"]
+    assert on["text"] == off["text"] and lp["tokens"] == ref["tokens"]
+    n = len(lp["tokens"])
+    assert n == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 64
+    values = lp["token_logprobs"]
+    assert all(v is not None and v <= 0 for v in values) and not all(v == 0.0 for v in values)
+    assert values == pytest.approx(ref["token_logprobs"], abs=1e-3)
+    for token, value, top, top_ref in zip(lp["tokens"], values, lp["top_logprobs"], ref["top_logprobs"], strict=True):
+        assert len(top) == 3 and token in top and top[token] == pytest.approx(value, abs=1e-6)
+        assert top.keys() == top_ref.keys()
+        assert list(top.values()) == pytest.approx(list(top_ref.values()), abs=1e-3)
 
 
 def test_BC_22_chunked_prefill_reads_only_written_kv() -> None:
