@@ -499,6 +499,11 @@ class LLMEngine:
             self._update_perf(so, runner_out, time.perf_counter() - t0)
             if self.spec is not None and self.runner.last_forward_tokens:
                 self.spec.target_time.observe(self.runner.last_forward_tokens, self.runner.last_forward_seconds)
+                proposer = self.runner.proposer
+                if isinstance(proposer, DraftModelProposer):
+                    for n, t in proposer.timings:
+                        self.spec.draft_time.observe(n, t)
+                    proposer.timings.clear()
             if self.offload is not None and runner_out.offloaded:
                 self.offload.offer(runner_out.offloaded)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine

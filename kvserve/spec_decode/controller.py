@@ -116,6 +116,11 @@ class SpecController:
         min_gain: the least predicted step speedup worth speculating for (0.05: 5 %).
     """
 
+    #: A request the estimates keep at k = 0 (no n-gram match lately, drafts rejected) gets a one-token
+    #: probe every this many of its decode steps, when the step would pay for speculation at the prior
+    #: acceptance: otherwise it could never learn that proposals came back.
+    PROBE_EVERY = 8
+
     def __init__(self, config: SpeculativeConfig, max_num_batched_tokens: int, prior_alpha: float = 0.6,
                  min_gain: float = 0.05) -> None:
         self.config = config
@@ -127,6 +132,7 @@ class SpecController:
         self.draft_time = StepTimeModel()
         self.uses_draft_model = config.method == "draft_model"
         self._acc: dict[str, _Acceptance] = {}
+        self._idle: dict[str, int] = {}  # decode steps since a request last had draft slots
         self.stats = SpecStats(accepted_per_pos=[0] * self.k_max)
         self._step_k: list[int] = []
 
@@ -167,12 +173,22 @@ class SpecController:
         proposed = acc.proposed if acc is not None else 1.0
         best_k, best = 0, 1.0 + self.min_gain
         for k in range(1, k_max + 1):
-            s = spec_decode_step_speedup(alpha, k, num_decodes, num_prefill_tokens, self.budget,
-                                         self.target_time, self.draft_time if self.uses_draft_model else None,
-                                         proposal_rate=proposed)
+            s = self._speedup(alpha, k, num_decodes, num_prefill_tokens, proposed)
             if s > best:
                 best_k, best = k, s
+        if best_k == 0 and acc is not None:
+            idle = self._idle.get(request_id, 0) + 1
+            if idle >= self.PROBE_EVERY and self._speedup(self.prior_alpha, 1, num_decodes, num_prefill_tokens,
+                                                          1.0) > 1.0 + self.min_gain:
+                idle, best_k = 0, 1
+            self._idle[request_id] = idle
+        else:
+            self._idle[request_id] = 0
         return best_k
+
+    def _speedup(self, alpha: float, k: int, num_decodes: int, num_prefill_tokens: int, proposed: float) -> float:
+        return spec_decode_step_speedup(alpha, k, num_decodes, num_prefill_tokens, self.budget, self.target_time,
+                                        self.draft_time if self.uses_draft_model else None, proposal_rate=proposed)
 
     # ---- learning ------------------------------------------------------------------------------
     def observe(self, request_id: str, num_slots: int, num_drafts: int, num_accepted: int) -> None:
@@ -205,3 +221,4 @@ class SpecController:
         """Forget finished requests."""
         for request_id in request_ids:
             self._acc.pop(request_id, None)
+            self._idle.pop(request_id, None)

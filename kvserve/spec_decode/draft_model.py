@@ -59,7 +59,9 @@ class DraftModelProposer:
         self.native_decode = native_decode
         self.native_prefill = native_prefill
         self._state: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self.last_seconds = 0.0  # wall time of the latest propose() (the k controller's draft cost)
+        self.last_seconds = 0.0  # wall time of the latest propose()
+        # (tokens, seconds) of each draft forward since the engine last read them (the k controller's costs)
+        self.timings: list[tuple[int, float]] = []
 
     def _valid(self, s: ScheduledRequest) -> int:
         """Leading positions of ``s``'s request whose draft KV is valid (at most its computed tokens)."""
@@ -93,6 +95,7 @@ class DraftModelProposer:
         input_ids, positions, meta, logits_indices = prepare_inputs(
             order, len(decodes), self.block_size, self.device, self.native_decode, self.native_prefill)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.timings.append((int(input_ids.shape[0]), time.perf_counter() - t0))
         sampling = [m for m in order if m.sample]
         last = hidden[torch.from_numpy(logits_indices).to(self.device)]
         by_id = {m.request.request_id: row for row, m in enumerate(sampling)}
@@ -109,9 +112,11 @@ class DraftModelProposer:
             if j > 0:  # 2. one decode forward over the rows still drafting, feeding draft j
                 step = [replace(rows[i], num_computed_tokens=rows[i].num_computed_tokens + j, num_scheduled_tokens=1,
                                 sample=False, num_spec_tokens=0, draft_token_ids=(drafts[i][-1],)) for i in active]
+                t1 = time.perf_counter()
                 ids, pos, dmeta, _ = prepare_inputs(step, len(step), self.block_size, self.device,
                                                     self.native_decode, self.native_prefill)
                 last = self.model(ids, pos, self.kv_caches, dmeta)
+                self.timings.append((len(step), time.perf_counter() - t1))
             tokens, q = self._sample(self.model.compute_logits(last), [rows[i] for i in active], meta_s, active)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])

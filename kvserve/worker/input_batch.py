@@ -31,9 +31,9 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
     """Flatten a step's requests into model inputs.
 
     Args:
-        order: the scheduled requests: the ``num_decodes`` one-token requests first (sorted by length,
-            so that decode buckets pad little), then prefill chunks that continue a cached prefix, then
-            fresh prompts.
+        order: the scheduled requests: the ``num_decodes`` decode rows first (one-token requests sorted by
+            length, so that decode buckets pad little, then rows verifying draft tokens), then prefill chunks
+            that continue a cached prefix, then fresh prompts.
         native_decode: build the decode metadata for the compiled CPU kernel instead of torch buckets.
         native_prefill: build ``NativePrefill`` (per-chunk start, length, offset and block table) for the
             compiled CPU prefill kernel instead of the torch prefill groups (no masks, no padding indices).
@@ -59,22 +59,26 @@ def prepare_inputs(order: list[ScheduledRequest], num_decodes: int, block_size: 
     slot = bt[req_idx, positions // bs] * bs + positions % bs
 
     dev = device
-    meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot).to(dev), num_decode_tokens=num_decodes)
-    if num_decodes and native_decode:
-        seq_lens = c[:num_decodes] + 1
+    # Decode tokens: one query each over its own sequence length. A decode row verifying m draft tokens
+    # (speculative decoding) is m + 1 such queries sharing its block table, at lengths c + 1 .. c + m + 1:
+    # each attends exactly as a one-token decode at that position would (this step's K/V are written first).
+    nd = int(n[:num_decodes].sum())
+    meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot).to(dev), num_decode_tokens=nd)
+    if nd:
+        seq_lens = positions[:nd] + 1
+        dec_bt = bt[:num_decodes] if nd == num_decodes else bt[req_idx[:nd]]
+    if nd and native_decode:
         nb = -(-int(seq_lens.max()) // bs)
-        meta.native_decode = (torch.from_numpy(np.ascontiguousarray(bt[:num_decodes, :nb])),
-                              torch.from_numpy(seq_lens))
-    elif num_decodes:
-        seq_lens = c[:num_decodes] + 1
-        num_buckets = max(1, min(MAX_DECODE_BUCKETS, num_decodes // MIN_DECODE_BUCKET))
-        bounds = np.linspace(0, num_decodes, num_buckets + 1).astype(np.int64)
+        meta.native_decode = (torch.from_numpy(np.ascontiguousarray(dec_bt[:, :nb])), torch.from_numpy(seq_lens))
+    elif nd:
+        num_buckets = max(1, min(MAX_DECODE_BUCKETS, nd // MIN_DECODE_BUCKET))
+        bounds = np.linspace(0, nd, num_buckets + 1).astype(np.int64)
         for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             lens = seq_lens[start:end]
             nb = -(-int(lens.max()) // bs)
             mask = np.arange(nb * bs)[None, :] < lens[:, None]
-            meta.decode_buckets.append((start, end, torch.from_numpy(np.ascontiguousarray(bt[start:end, :nb])).to(dev),
-                                        torch.from_numpy(mask[:, None, None, :]).to(dev)))
+            tables = torch.from_numpy(np.ascontiguousarray(dec_bt[start:end, :nb])).to(dev)
+            meta.decode_buckets.append((start, end, tables, torch.from_numpy(mask[:, None, None, :]).to(dev)))
     # Prefill chunks: those continuing a cached prefix come first, then fresh prompts. For the native
     # kernel they are one NativePrefill; for torch two groups: continuing (masked) and fresh (causal).
     lo = num_decodes

@@ -199,7 +199,8 @@ class ModelRunner:
         if self.proposer is not None:
             scheduled, draft_probs = self.proposer.propose(so.scheduled)
         decodes = sorted((s for s in scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.num_computed_tokens)
-        prefills = [s for s in scheduled if s.num_scheduled_tokens > 1]
+        decodes += [s for s in scheduled if s.draft_token_ids]  # verified as decode queries (input_batch.py)
+        prefills = [s for s in scheduled if s.num_scheduled_tokens > 1 and not s.draft_token_ids]
         order = decodes + [s for s in prefills if s.num_computed_tokens > 0] + [
             s for s in prefills if s.num_computed_tokens == 0]
         batch = prepare_inputs(order, len(decodes), self.block_size, self.device, self.native_decode,
