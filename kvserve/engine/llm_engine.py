@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,13 +65,14 @@ def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokeni
                       compute_dtype: torch.dtype | None = None) -> str:
     """A sha256 hex digest naming everything that decides a KV block's contents besides its tokens.
 
-    Covers the weights (each weight file's resolved path, size and modification time), the architecture
-    config, the tokenizer (its full serialized form), the KV dtype, the weights' dtype and the activations'
-    dtype (None: the KV dtype). Mixed into every prefix-cache block
-    hash, so KV computed by one model can never be served to a request of another.
+    Covers the weights (the sha256 of each weight file's contents, so that the same model installed at
+    another path or on another host shares KV through a Redis tier, while any changed byte does not), the
+    architecture config, the tokenizer (its full serialized form), the KV dtype, the weights' dtype and the
+    activations' dtype (None: the KV dtype). Mixed into every prefix-cache block hash, so KV computed by
+    one model can never be served to a request of another.
     """
     files = sorted(model_path.iterdir()) if model_path.is_dir() else [model_path]
-    weights = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.is_file()]
+    weights = sorted(file_digest(f) for f in files if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
     parts = {
         "weights": weights,
         "arch": asdict(arch),
@@ -80,6 +82,37 @@ def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokeni
         **({"compute_dtype": str(compute_dtype)} if compute_dtype not in (None, kv_dtype) else {}),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_WEIGHT_SUFFIXES = {".gguf", ".safetensors", ".bin", ".pt", ".pth"}
+_DIGEST_CACHE = Path.home() / ".cache" / "kvserve" / "file_digests.json"
+
+
+def file_digest(path: Path) -> str:
+    """sha256 hex digest of a file's contents, cached by (resolved path, size, mtime) in
+    ``~/.cache/kvserve/file_digests.json`` (hashing a GB-sized weight file takes seconds, once)."""
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    try:
+        cache = json.loads(_DIGEST_CACHE.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return str(cache[key])
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    cache[key] = digest
+    try:  # a concurrent writer may win; both write the same digests
+        _DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _DIGEST_CACHE.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, _DIGEST_CACHE)
+    except OSError:
+        pass
+    return digest
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -492,6 +525,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         so = self.scheduler.schedule()
         if so.is_empty and not so.blocks_to_swap_out and not so.blocks_to_offload:
+            if self.offload is not None and self.offload.num_fetching:
+                self.offload.wait_fetches(0.005)  # requests wait for their blocks: sleep, don't spin
             return outputs
         try:
             t0 = time.perf_counter()
@@ -520,6 +555,8 @@ class LLMEngine:
             if seq_id in self._seq_to_group:
                 self._add_prompt_logprobs(self._seq_to_group[seq_id], chunk)
         updates = self.scheduler.update_from_output(so, runner_out)
+        if self.offload is not None and self.offload.publish:
+            self._publish_committed()
         changed: dict[str, _Group] = {}
         now = time.monotonic()
         for upd in updates:
@@ -635,10 +672,27 @@ class LLMEngine:
         out.metrics["finished_time"] = time.monotonic()
         return out
 
+    def _publish_committed(self) -> None:
+        """Hand the blocks this step committed to the offload writer now (their K/V were written by the
+        forward just done), rather than at the next ``schedule()``, which an idle engine never runs."""
+        assert self.offload is not None
+        evicted, committed = self.block_manager.take_offload()
+        blocks = [(b, h, True) for b, h in evicted] + [(b, h, False) for b, h in committed]
+        if blocks:
+            self.offload.offer(self.runner.export_blocks(blocks))
+
     def close(self) -> None:
-        """Store the KV blocks still queued for the offload tiers and close them (idempotent)."""
-        if self.offload is not None:
-            self.offload.close()
+        """Write the prefix blocks still on the device to the local offload tiers (so that a disk tier
+        serves them after a restart), store everything queued, and close the tiers (idempotent)."""
+        if self.offload is None or self.offload.closed:
+            return
+        if self.offload.local:
+            cached = list(self.block_manager.cached_blocks.items())
+            for i in range(0, len(cached), 256):
+                chunk = [(b, h, True) for h, b in cached[i:i + 256]]
+                self.offload.offer(self.runner.export_blocks(chunk))
+                self.offload.flush()
+        self.offload.close()
 
     # ---- stats ---------------------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from kvserve.core.block_hash import BlockHash
@@ -216,6 +216,9 @@ class OffloadManager:
         """Queue blocks for the tiers: ``(hash, payload, evicted)``; evicted blocks go to the local tiers
         (cpu and disk), published ones (``evicted`` False) to the remote tiers. Never blocks."""
         for item in blocks:
+            if self._closed:  # nobody writes any more
+                self.stats.stores_dropped += 1
+                continue
             try:
                 self._queue.put_nowait(item)
                 self.stats.stores_queued += 1
@@ -237,8 +240,20 @@ class OffloadManager:
                 self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued block has been stored (tests, shutdown)."""
-        self._queue.join()
+        """Wait until every queued block has been stored (tests, shutdown); returns at once after ``close``."""
+        if not self._closed:
+            self._queue.join()
+
+    def wait_fetches(self, timeout_s: float) -> None:
+        """Block until a background fetch finishes or ``timeout_s`` passes (an idle engine waiting for its
+        loads sleeps here instead of spinning, which would starve the fetch threads)."""
+        pending = [f.future for f in self._fetches.values() if f.future is not None and not f.future.done()]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Store what is queued, stop the threads and close the tiers."""

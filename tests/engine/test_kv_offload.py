@@ -351,10 +351,6 @@ def test_disk_tier_serves_the_next_engine_after_a_restart(
     _idle(new)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "blocks still cached on the device at close() never reach the disk tier (only evicted blocks are written "
-    "there, and LLMEngine.close() writes nothing of the device pool); eviction takes a chain's tail first, so "
-    "the most recent prompts lose their heads and their on-disk tails are unreachable after a restart"))
 def test_prompts_still_on_the_device_at_close_serve_the_next_engine(
         model_a: Path, ref_a: list[list[int]], make_llm: Callable[..., LLM], tmp_path: Path) -> None:
     path = tmp_path / "kv-disk"
@@ -430,10 +426,6 @@ def test_a_prefix_computed_on_a_is_a_hit_on_b(
         _idle(llm)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "blocks committed in a request's last step reach the writer only at the next schedule() "
-    "(BlockManager.take_offload runs there, the export in the step after): an instance that goes idle after a "
-    "request never publishes them (here: a 1-token request, whose whole prompt is committed in its one step)"))
 def test_blocks_committed_in_the_last_step_are_published(
         model_a: Path, make_llm: Callable[..., LLM], redis_url: str) -> None:
     a = make_llm(model_a, kv_offload_redis_url=redis_url)
@@ -444,10 +436,6 @@ def test_blocks_committed_in_the_last_step_are_published(
     assert _tier(a, "redis").stats.stores == PROMPT_LEN // BS
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "model_fingerprint (kvserve/engine/llm_engine.py) hashes each weight file's resolved path and mtime: "
-    "instances whose copies of the same weights live at another path, or were installed at another time "
-    "(another host, another container), never share a block in Redis"))
 def test_the_same_weights_at_another_path_share_redis(
         model_a: Path, ref_a: list[list[int]], make_llm: Callable[..., LLM], redis_url: str,
         tmp_path: Path) -> None:

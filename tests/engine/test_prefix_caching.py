@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,7 +153,7 @@ def test_n4_shares_the_prompt_blocks(llm_on: LLM, llm_off: LLM, caching: bool) -
     _idle(llm)
 
 
-def test_fingerprint_changes_with_model_config_tokenizer_and_dtype(llm_on: LLM) -> None:
+def test_fingerprint_changes_with_model_config_tokenizer_and_dtype(llm_on: LLM, tmp_path: Path) -> None:
     e = llm_on.engine
     base = model_fingerprint(e.model_path, e.arch, e.tokenizer, e.dtype)
     assert base == e.fingerprint
@@ -158,4 +161,15 @@ def test_fingerprint_changes_with_model_config_tokenizer_and_dtype(llm_on: LLM) 
     assert model_fingerprint(e.model_path, dataclasses.replace(e.arch, rope_theta=1.0), e.tokenizer,
                              e.dtype) != base
     assert model_fingerprint(e.model_path, e.arch, None, e.dtype) != base
-    assert model_fingerprint(e.model_path.parent, e.arch, e.tokenizer, e.dtype) != base
+    # The weights count by content: a copy elsewhere (another host, another install) shares KV through a
+    # Redis tier; a changed byte does not.
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(e.model_path, copy)
+    assert model_fingerprint(copy, e.arch, e.tokenizer, e.dtype) == base
+    with copy.open("r+b") as f:
+        f.seek(copy.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(copy, ns=(1, 1))  # a new (size, mtime) key for the digest cache whatever the clock's grain
+    assert model_fingerprint(copy, e.arch, e.tokenizer, e.dtype) != base
