@@ -1,8 +1,8 @@
 """The k controller: how many draft tokens each request verifies this step (0: no speculation).
 
-Per request it keeps an acceptance estimate (EMAs of accepted drafts and of Bernoulli trials: a round
-that accepts ``a`` of ``m`` drafts is ``a`` successes in ``a + [a < m]`` trials, the geometric model's
-maximum-likelihood form) and how often a proposal existed at all. For each ``k`` in ``1..k_max`` it
+Per request it keeps an acceptance estimate (exponentially decayed counts of accepted drafts and of
+Bernoulli trials: a round that accepts ``a`` of ``m`` drafts is ``a`` successes in ``a + [a < m]`` trials,
+the geometric model's maximum-likelihood form; a new request starts from the estimate over all requests) and how often a proposal existed at all. For each ``k`` in ``1..k_max`` it
 predicts the useful tokens per second of the whole step (``cost_model.spec_decode_step_speedup``) from
 the measured target (and draft) forward times at the step's token count, and takes the best ``k``; ``0``
 when no ``k`` gains at least ``min_gain`` (5 %). At batch 1 that is Leviathan et al.'s walltime formula;
@@ -116,9 +116,10 @@ class SpecController:
         min_gain: the least predicted step speedup worth speculating for (0.05: 5 %).
     """
 
-    #: A request the estimates keep at k = 0 (no n-gram match lately, drafts rejected) gets a one-token
-    #: probe every this many of its decode steps, when the step would pay for speculation at the prior
-    #: acceptance: otherwise it could never learn that proposals came back.
+    #: A request the estimates keep at k = 0 (new, no n-gram match lately, drafts rejected) gets a probe
+    #: round of ``k_max`` drafts at its first decode step and then every this many of its decode steps,
+    #: when the step would pay if every draft were accepted: otherwise it could never learn that its
+    #: proposals are good (or came back).
     PROBE_EVERY = 8
 
     def __init__(self, config: SpeculativeConfig, max_num_batched_tokens: int, prior_alpha: float = 0.6,
@@ -133,6 +134,8 @@ class SpecController:
         self.uses_draft_model = config.method == "draft_model"
         self._acc: dict[str, _Acceptance] = {}
         self._idle: dict[str, int] = {}  # decode steps since a request last had draft slots
+        # Acceptance over all requests: the starting estimate of a new request (learnt, not assumed).
+        self._global = _Acceptance(2 * prior_alpha, 2.0)
         self.stats = SpecStats(accepted_per_pos=[0] * self.k_max)
         self._step_k: list[int] = []
 
@@ -169,18 +172,18 @@ class SpecController:
         if not self.target_time.known:
             return k_max  # nothing measured yet: the engine probes step times at start-up
         acc = self._acc.get(request_id)
-        alpha = acc.alpha if acc is not None else self.prior_alpha
+        alpha = acc.alpha if acc is not None else self._global.alpha
         proposed = acc.proposed if acc is not None else 1.0
         best_k, best = 0, 1.0 + self.min_gain
         for k in range(1, k_max + 1):
             s = self._speedup(alpha, k, num_decodes, num_prefill_tokens, proposed)
             if s > best:
                 best_k, best = k, s
-        if best_k == 0 and acc is not None:
-            idle = self._idle.get(request_id, 0) + 1
-            if idle >= self.PROBE_EVERY and self._speedup(self.prior_alpha, 1, num_decodes, num_prefill_tokens,
+        if best_k == 0:
+            idle = self._idle.get(request_id, self.PROBE_EVERY - 1) + 1  # a new request probes at once
+            if idle >= self.PROBE_EVERY and self._speedup(0.99, k_max, num_decodes, num_prefill_tokens,
                                                           1.0) > 1.0 + self.min_gain:
-                idle, best_k = 0, 1
+                idle, best_k = 0, k_max
             self._idle[request_id] = idle
         else:
             self._idle[request_id] = 0
@@ -195,16 +198,19 @@ class SpecController:
         """The outcome of one request's round: ``num_slots`` reserved, ``num_drafts`` proposed, accepted."""
         if num_slots <= 0:
             return
+        self._idle[request_id] = 0
         a = 0.3  # EMA weight of the newest round
         acc = self._acc.get(request_id)
         if acc is None:
-            acc = self._acc[request_id] = _Acceptance(2 * self.prior_alpha, 2.0)
+            g = self._global.alpha
+            acc = self._acc[request_id] = _Acceptance(2 * g, 2.0)
         acc.proposed = (1 - a) * acc.proposed + a * (1.0 if num_drafts > 0 else 0.0)
         if num_drafts <= 0:
             return
         trials = num_accepted + (1 if num_accepted < num_drafts else 0)
-        acc.accepted = (1 - a) * acc.accepted + a * num_accepted
-        acc.trials = (1 - a) * acc.trials + a * trials
+        for est, w in ((acc, a), (self._global, 0.05)):  # decayed counts: a long round weighs more
+            est.accepted = (1 - w) * est.accepted + num_accepted
+            est.trials = (1 - w) * est.trials + trials
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts
@@ -213,9 +219,9 @@ class SpecController:
             s.accepted_per_pos[pos] += 1
 
     def alpha(self, request_id: str) -> float:
-        """The current acceptance estimate of a request (the prior when it has none)."""
+        """The current acceptance estimate of a request (the all-requests estimate when it has none)."""
         acc = self._acc.get(request_id)
-        return acc.alpha if acc is not None else self.prior_alpha
+        return acc.alpha if acc is not None else self._global.alpha
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests."""

@@ -135,7 +135,27 @@ def test_controller_turns_off_under_load_and_on_at_batch_one() -> None:
     assert c.stats.num_drafts == 10 and c.stats.num_draft_tokens == 40 and c.stats.num_accepted_tokens == 30
     assert c.stats.accepted_per_pos == [10, 10, 10, 0]
     c.release(["a"])
-    assert c.alpha("a") == c.prior_alpha
+    assert c.alpha("a") == c._global.alpha and 0.6 < c.alpha("a") < 0.75  # all requests' estimate, learnt
+
+
+def test_controller_probes_new_and_idle_requests() -> None:
+    """A draft model whose cost makes k = 0 look best at the prior acceptance: a new request still gets one
+    round of k_max drafts at batch 1 (never at a compute-bound batch), then every PROBE_EVERY steps."""
+    c = SpecController(SpeculativeConfig("draft_model", 4, model="d"), 2048)
+    for n, t in ((1, 0.085), (2, 0.096), (4, 0.111), (8, 0.163), (64, 0.54), (512, 3.4)):
+        c.target_time.observe(n, t)
+    for n, t in ((1, 0.038), (8, 0.05), (64, 0.17)):
+        c.draft_time.observe(n, t)
+    c._global = type(c._global)(0.4, 2.0)  # prior acceptance 0.2: no k pays
+    assert c.num_spec_tokens("new", 64, 0, 4) == 0  # compute-bound: no probe
+    assert c.num_spec_tokens("new2", 1, 0, 4) == 4  # batch 1: probe round
+    c.observe("new2", 4, 4, 4)  # all accepted
+    assert c.alpha("new2") > 0.5
+    ks = [c.num_spec_tokens("new2", 1, 0, 4) for _ in range(3)]
+    assert ks[0] >= 2, ks
+    c.observe("bad", 4, 4, 0)  # rejected at once: back to k = 0, probed again after PROBE_EVERY steps
+    ks = [c.num_spec_tokens("bad", 1, 0, 4) for _ in range(c.PROBE_EVERY)]
+    assert ks[:-1] == [0] * (c.PROBE_EVERY - 1) and ks[-1] == 4
 
 
 def test_controller_fixed_k_and_batch_size_switch() -> None:
