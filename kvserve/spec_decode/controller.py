@@ -2,7 +2,8 @@
 
 Per request it keeps an acceptance estimate (exponentially decayed counts of accepted drafts and of
 Bernoulli trials: a round that accepts ``a`` of ``m`` drafts is ``a`` successes in ``a + [a < m]`` trials,
-the geometric model's maximum-likelihood form; a new request starts from the estimate over all requests) and how often a proposal existed at all. For each ``k`` in ``1..k_max`` it
+the geometric model's maximum-likelihood form; a new request starts from the estimate over all requests)
+and how often a proposal existed at all. For each ``k`` in ``1..k_max`` it
 predicts the useful tokens per second of the whole step (``cost_model.spec_decode_step_speedup``) from
 the measured target (and draft) forward times at the step's token count, and takes the best ``k``; ``0``
 when no ``k`` gains at least ``min_gain`` (5 %). At batch 1 that is Leviathan et al.'s walltime formula;
