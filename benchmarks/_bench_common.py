@@ -12,6 +12,8 @@ import json
 import os
 import platform
 import resource
+import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -105,3 +107,25 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    """lscpu's model name, flags and a few more fields, the key SIMD flags, nproc, hostname, load average."""
+    info: dict[str, Any] = {"host": socket.gethostname(), "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                             env={**os.environ, "LC_ALL": "C"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        k, _, v = line.partition(":")
+        if k.strip() in ("Model name", "Flags", "Architecture", "CPU(s)", "Thread(s) per core", "L3"):
+            info[k.strip()] = v.strip()
+    flags = set(info.get("Flags", "").split())
+    info["key_flags"] = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+                         if f in flags]
+    try:
+        info["nproc"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        info["nproc"] = os.cpu_count()
+    return info

@@ -64,7 +64,6 @@ import random
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +73,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import REPO, RESULTS, Contention, environment, set_thread_env, table, write_result  # noqa: E402
+from _bench_common import (  # noqa: E402
+    REPO,
+    RESULTS,
+    Contention,
+    environment,
+    machine_info,
+    set_thread_env,
+    table,
+    write_result,
+)
 
 GIB = 1 << 30
 SECTIONS = ("sessions", "cross", "micro", "breakeven")
@@ -86,26 +94,6 @@ WORDS = _WORD_TEXT.split(" ")
 
 
 # ---- machine and helpers ------------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    """lscpu's model name, flags and a few more fields, nproc, hostname, load average."""
-    info: dict[str, Any] = {"host": socket.gethostname(), "loadavg": [round(x, 2) for x in os.getloadavg()]}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                             env={**os.environ, "LC_ALL": "C"}).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    for line in out.splitlines():
-        k, _, v = line.partition(":")
-        if k.strip() in ("Model name", "Flags", "Architecture", "CPU(s)", "Thread(s) per core", "L3"):
-            info[k.strip()] = v.strip()
-    flags = set(info.get("Flags", "").split())
-    info["key_flags"] = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-                         if f in flags]
-    try:
-        info["nproc"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        info["nproc"] = os.cpu_count()
-    return info
 
 
 def words_to_tokens(tokenizer: Any, rng: random.Random, num_tokens: int) -> str:

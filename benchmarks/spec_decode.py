@@ -69,7 +69,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
@@ -78,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import RESULTS, Contention, environment, set_thread_env, table  # noqa: E402
+from _bench_common import RESULTS, Contention, environment, machine_info, set_thread_env, table  # noqa: E402
 
 SECTIONS = ("ngram", "draft", "load", "steptime")
 MIN_GAIN = 0.05  # the controller's default: speculate only for a predicted step gain of at least 5 %
@@ -473,26 +472,6 @@ def section_table(variants_: dict[str, Any], with_c: bool = False) -> str:
 
 
 # ---- machine -------------------------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    """lscpu's model name, flags and a few more fields, nproc, hostname."""
-    info: dict[str, Any] = {"host": socket.gethostname()}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                             env={**os.environ, "LC_ALL": "C"}).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    for line in out.splitlines():
-        k, _, v = line.partition(":")
-        if k.strip() in ("Model name", "Flags", "Architecture", "CPU(s)", "Thread(s) per core", "L3"):
-            info[k.strip()] = v.strip()
-    flags = set(info.get("Flags", "").split())
-    info["key_flags"] = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-                         if f in flags]
-    try:
-        info["nproc"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        info["nproc"] = os.cpu_count()
-    return info
 
 
 # ---- running variants ---------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ def verify_drafts(logits: torch.Tensor, rows: list[ScheduledRequest], draft_prob
         for j in range(len(s.draft_token_ids) + 1):
             requests.append(r)
             outputs.append(r.output_token_ids + list(s.draft_token_ids[:j]))
-    _mask_before_min_tokens(logits, requests, outputs)
+    mask_before_min_tokens(logits, requests, outputs)
     processors.apply(logits, requests)
     meta = SamplingMetadata.build(
         params=[r.sampling_params for r in requests], prompt_token_ids=[r.prompt_token_ids for r in requests],
@@ -83,7 +83,7 @@ def verify_drafts(logits: torch.Tensor, rows: list[ScheduledRequest], draft_prob
     return result.token_ids, logprobs
 
 
-def _mask_before_min_tokens(logits: torch.Tensor, requests: list[Request], outputs: list[list[int]]) -> None:
+def mask_before_min_tokens(logits: torch.Tensor, requests: list[Request], outputs: list[list[int]]) -> None:
     """``min_tokens`` per position: EOS and stop ids are banned where fewer than ``min_tokens`` outputs
     (the request's and the drafts before the position) precede it."""
     rows: list[int] = []

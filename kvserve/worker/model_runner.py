@@ -32,7 +32,7 @@ from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.sample.token_constraints import TokenConstraints
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.proposer import Proposer
-from kvserve.spec_decode.verify import verify_drafts
+from kvserve.spec_decode.verify import mask_before_min_tokens, verify_drafts
 from kvserve.worker.host_memory import move_parameters_to_hugepages
 from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
@@ -471,18 +471,7 @@ def _mask_stop_tokens_before_min_tokens(logits: torch.Tensor, requests: list[Req
 
     logits ``[num_sampling, vocab]`` are edited in place (rows of requests still under min_tokens only).
     """
-    rows: list[int] = []
-    cols: list[int] = []
-    for row, r in enumerate(requests):
-        p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
-            continue
-        banned = list(p.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else [])
-        rows += [row] * len(banned)
-        cols += banned
-    if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
-
+    mask_before_min_tokens(logits, requests, [r.output_token_ids for r in requests])
 
 def _check_block(block: int, num: int, where: str) -> None:
     """Raise IndexError for a block id outside ``[0, num)`` (``where``: "device" or "host")."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from kvserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 class FakeKV:
@@ -22,18 +22,27 @@ class FakeKV:
         self.device: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.host: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_host_blocks)]
 
-    def run(self, out: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
+    def copy_blocks(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, copy-on-write, in the runner's order."""
         for d, h in out.blocks_to_swap_out:
             self.host[h] = list(self.device[d])
         for h, d in out.blocks_to_swap_in:
             self.device[d] = list(self.host[h])
         for src, dst in out.blocks_to_copy:
             self.device[dst] = list(self.device[src])
+
+    def check_reads(self, s: ScheduledRequest) -> None:
+        """Every position the row reads holds its request's own token."""
+        r, table = s.request, s.block_table
+        for t in range(s.num_computed_tokens):
+            assert self.device[table[t // self.bs]][t % self.bs] == (r.all_token_ids[t], t), (r, t)
+
+    def run(self, out: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
+        self.copy_blocks(out)
         ids, tokens = [], []
         for s in out.scheduled:
             r, table = s.request, s.block_table
-            for t in range(s.num_computed_tokens):
-                assert self.device[table[t // self.bs]][t % self.bs] == (r.all_token_ids[t], t), (r, t)
+            self.check_reads(s)
             for t in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens):
                 self.device[table[t // self.bs]][t % self.bs] = (r.all_token_ids[t], t)
             if s.sample:

@@ -255,17 +255,11 @@ class SpecFakeKV(FakeKV):
     """The fake KV store with a speculating runner: random drafts, a random accepted prefix, one more token."""
 
     def run(self, out: SchedulerOutput, rng: random.Random) -> ModelRunnerOutput:
-        for d, h in out.blocks_to_swap_out:
-            self.host[h] = list(self.device[d])
-        for h, d in out.blocks_to_swap_in:
-            self.device[d] = list(self.host[h])
-        for src, dst in out.blocks_to_copy:
-            self.device[dst] = list(self.device[src])
+        self.copy_blocks(out)
         ids, tokens, drafts = [], [], []
         for s in out.scheduled:
             r, table, c = s.request, s.block_table, s.num_computed_tokens
-            for t in range(c):
-                assert self.device[table[t // self.bs]][t % self.bs] == (r.all_token_ids[t], t), (r, t)
+            self.check_reads(s)
             m = rng.randint(0, s.num_spec_tokens)
             own = s.num_scheduled_tokens - s.num_spec_tokens
             draft = [rng.randint(0, 3) for _ in range(m)]
