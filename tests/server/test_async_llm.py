@@ -73,6 +73,9 @@ class FakeEngine:
         self.scheduler.waiting.append(request_id)
         return request_id
 
+    def close(self) -> None:
+        self.closed = True
+
     def abort_request(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         for q in (self.scheduler.running, self.scheduler.waiting):
@@ -129,7 +132,9 @@ def test_stream_runs_to_the_end_and_is_counted() -> None:
         text = llm.metrics.render().decode()
         assert 'kvserve:generation_tokens_total{model_name="fake"} 3.0' in text
         assert 'kvserve:request_success_total{finished_reason="length",model_name="fake"} 1.0' in text
+        assert not getattr(llm.engine, "closed", False)
         llm.shutdown()
+        assert getattr(llm.engine, "closed", False)  # the offload tiers get their queued blocks
 
     asyncio.run(main())
 
@@ -258,6 +263,9 @@ class _QueueOnlyEngine:
         self.scheduler.add_forks(leader, [Request(f"{request_id}#{i}", ids, params, None, 8)
                                           for i in range(1, params.n)])
         return request_id
+
+    def close(self) -> None:
+        self.closed = True
 
     def abort_request(self, request_id: str) -> None:
         from kvserve.core.request import RequestStatus
