@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import redis
@@ -201,11 +202,12 @@ def test_password_from_url_or_env_never_logged(redis_factory: Factory, monkeypat
     assert with_url.url_masked == f"redis://:***@127.0.0.1:{server.port}/0"
 
 
-def test_mask_url_and_url_schemes() -> None:
+def test_mask_url_and_url_schemes(tmp_path: Path) -> None:
     assert mask_url("redis://user:pw@h:6379/0") == "redis://user:***@h:6379/0"
     assert mask_url("rediss://:pw@h:6380/1") == "rediss://:***@h:6380/1"
     assert mask_url("redis://h:6379/0") == "redis://h:6379/0"
-    assert mask_url("unix:///tmp/r.sock?db=0&password=pw") == "unix:///tmp/r.sock?db=0&password=***"
+    sock = tmp_path / "r.sock"
+    assert mask_url(f"unix://{sock}?db=0&password=pw") == f"unix://{sock}?db=0&password=***"
     tls = RedisTier("rediss://:pw@127.0.0.1:1/0", META)  # no connection is made here
     assert tls.client.connection_pool.connection_class is redis.SSLConnection
     assert RedisTier("redis://127.0.0.1:1/2", META).client.connection_pool.connection_kwargs["db"] == 2
