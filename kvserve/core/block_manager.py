@@ -131,8 +131,10 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int, publish: bool = True) -> None:
         """Commit the request's blocks that became full and computed (``num_computed_tokens`` in tokens).
+
+        ``publish`` False: not logged for the offload tiers (``record_commits``), e.g. blocks loaded from them.
 
         A block whose hash is already cached in another block (two equal prompts computed in the same
         step) stays uncached and is simply reused when freed.
@@ -150,7 +152,7 @@ class BlockManager:
             if self.block_hashes[block_id] is None and block_hash not in self.cached_blocks:
                 self.block_hashes[block_id] = block_hash
                 self.cached_blocks[block_hash] = block_id
-                if self.record_commits:
+                if self.record_commits and publish:
                     self._committed.append((block_id, block_hash))
         self._num_committed[request.request_id] = num_full
 

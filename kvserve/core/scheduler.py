@@ -486,9 +486,7 @@ class Scheduler:
             if loaded:  # offload hits: fresh blocks, written before the forward, cached from now on
                 table = bm.get_block_table(request.request_id)
                 step.loads.extend(zip(table[len(hits):len(hits) + len(loaded)], loaded, strict=True))
-                record, bm.record_commits = bm.record_commits, False  # (they came from a tier: not republished)
-                bm.cache_blocks(request, num_computed)
-                bm.record_commits = record
+                bm.cache_blocks(request, num_computed, publish=False)  # they came from a tier
             del self.waiting[i]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed

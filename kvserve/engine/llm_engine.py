@@ -411,7 +411,9 @@ class LLMEngine:
 
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block over all layers, K and V (the draft model's cache included)."""
-        return int(round(block_bytes(self.arch, self.config.block_size, self.kv_dtype) / self._target_kv_share()))
+        bs = self.config.block_size
+        draft = block_bytes(self.draft_arch, bs, self.kv_dtype) if self.draft_model is not None else 0
+        return block_bytes(self.arch, bs, self.kv_dtype) + draft
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -534,11 +536,9 @@ class LLMEngine:
             self._update_perf(so, runner_out, time.perf_counter() - t0)
             if self.spec is not None and self.runner.last_forward_tokens:
                 self.spec.target_time.observe(self.runner.last_forward_tokens, self.runner.last_forward_seconds)
-                proposer = self.runner.proposer
-                if isinstance(proposer, DraftModelProposer):
-                    for n, t in proposer.timings:
+                if self.runner.proposer is not None:
+                    for n, t in self.runner.proposer.take_timings():
                         self.spec.draft_time.observe(n, t)
-                    proposer.timings.clear()
             if self.offload is not None and runner_out.offloaded:
                 self.offload.offer(runner_out.offloaded)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine

@@ -21,7 +21,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 from kvserve.core.block_hash import BlockHash
 from kvserve.core.request import Request
@@ -45,15 +46,11 @@ class OffloadStats:
     """
 
     lookups: int = 0
-    hit_tokens: dict[str, int] | None = None
+    hit_tokens: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
     failed_loads: int = 0
     stores_dropped: int = 0
     stores_queued: int = 0
-
-    def __post_init__(self) -> None:
-        if self.hit_tokens is None:
-            self.hit_tokens = {}
 
 
 @dataclass(frozen=True)
@@ -161,8 +158,8 @@ class OffloadManager:
             chosen.append((tier, n))
         if not chosen:
             return []
-        plan = [(tier, keys[start:start + n]) for (tier, n), start in
-                zip(chosen, _starts([n for _, n in chosen]), strict=True)]
+        starts = accumulate((n for _, n in chosen), initial=0)
+        plan = [(tier, keys[start:start + n]) for (tier, n), start in zip(chosen, starts, strict=False)]
         if all(tier.name == "cpu" for tier, _ in plan):
             payloads = self._load(plan)
             self._fetches[rid] = _Fetch(first_block, None, payloads)
@@ -184,8 +181,7 @@ class OffloadManager:
                     return out
                 out.append(data)
                 with self._lock:
-                    if self.stats.hit_tokens is not None:
-                        self.stats.hit_tokens[tier.name] = self.stats.hit_tokens.get(tier.name, 0) + self.block_size
+                    self.stats.hit_tokens[tier.name] = self.stats.hit_tokens.get(tier.name, 0) + self.block_size
             with self._lock:
                 self._load_seconds.append((tier.name, time.perf_counter() - t0))
         return out
@@ -194,7 +190,7 @@ class OffloadManager:
         """Totals for the metrics (the per-run load times are handed over once)."""
         with self._lock:
             seconds, self._load_seconds = self._load_seconds, []
-            loaded = dict(self.stats.hit_tokens or {})
+            loaded = dict(self.stats.hit_tokens)
         tiers = {t.name: TierSnapshot(t.stats.queries * self.block_size, t.stats.hits * self.block_size,
                                       t.stats.bytes_stored, t.stats.bytes_loaded, dict(t.stats.errors))
                  for t in self.tiers}
@@ -265,12 +261,3 @@ class OffloadManager:
         self._pool.shutdown(wait=True, cancel_futures=True)
         for tier in self.tiers:
             tier.close()
-
-
-def _starts(lengths: list[int]) -> list[int]:
-    out: list[int] = []
-    pos = 0
-    for n in lengths:
-        out.append(pos)
-        pos += n
-    return out

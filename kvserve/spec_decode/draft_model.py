@@ -59,7 +59,6 @@ class DraftModelProposer:
         self.native_decode = native_decode
         self.native_prefill = native_prefill
         self._state: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self.last_seconds = 0.0  # wall time of the latest propose()
         # (tokens, seconds) of each draft forward since the engine last read them (the k controller's costs)
         self.timings: list[tuple[int, float]] = []
 
@@ -101,9 +100,6 @@ class DraftModelProposer:
         by_id = {m.request.request_id: row for row, m in enumerate(sampling)}
         rows = [scheduled[i] for i in spec]
         last = last[torch.tensor([by_id[s.request.request_id] for s in rows], device=self.device)]
-        meta_s = SamplingMetadata.build([s.request.sampling_params for s in rows], [[]] * len(rows),
-                                        [[]] * len(rows), [None] * len(rows), self.model.config.vocab_size,
-                                        self.device)
         k = [s.num_spec_tokens for s in rows]
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -117,7 +113,7 @@ class DraftModelProposer:
                                                     self.native_decode, self.native_prefill)
                 last = self.model(ids, pos, self.kv_caches, dmeta)
                 self.timings.append((len(step), time.perf_counter() - t1))
-            tokens, q = self._sample(self.model.compute_logits(last), [rows[i] for i in active], meta_s, active)
+            tokens, q = self._sample(self.model.compute_logits(last), [rows[i] for i in active])
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
                 probs[i].append(q[row])
@@ -128,41 +124,32 @@ class DraftModelProposer:
                 self._state[s.request.request_id] = (m.num_computed_tokens + m.num_scheduled_tokens, ())
         by_row = dict(zip(spec, drafts, strict=True))
         out = [with_drafts(s, by_row[i]) if i in by_row else s for i, s in enumerate(scheduled)]
-        draft_probs = torch.stack([q for qs in probs for q in qs])
-        self.last_seconds = time.perf_counter() - t0
-        return out, draft_probs
+        return out, torch.stack([q for qs in probs for q in qs])
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], meta_all: SamplingMetadata,
-                active: list[int]) -> tuple[list[int], torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor]:
         """One draft token per row and the distribution ``q`` it was drawn from (``[rows, V]``): the
         request's temperature / top-k / top-p / min-p on the draft's logits (no penalties: ``q`` only has
-        to be what the token was drawn from). Greedy rows: the argmax, ``q`` one-hot."""
-        idx = torch.tensor(active, device=logits.device)
-        greedy = [s.request.sampling_params.temperature < _SAMPLING_EPS for s in rows]
-        meta = SamplingMetadata(
-            temperature=meta_all.temperature[idx], all_greedy=all(greedy), all_random=not any(greedy),
-            top_k=None if meta_all.top_k is None else meta_all.top_k[idx],
-            top_p=None if meta_all.top_p is None else meta_all.top_p[idx],
-            min_p=None if meta_all.min_p is None else meta_all.min_p[idx],
-            generators={}, presence_penalties=None, frequency_penalties=None, repetition_penalties=None,
-            prompt_token_ids=None, output_token_ids=None, max_num_logprobs=None)
+        to be what the token was drawn from). Greedy rows: the argmax, ``q`` one-hot. Seeded rows draw
+        from their request's generator."""
+        requests = [s.request for s in rows]
+        meta = SamplingMetadata.build([r.sampling_params for r in requests], [[]] * len(rows), [[]] * len(rows),
+                                      [self.generator(r.request_id, r.sampling_params.seed) for r in requests],
+                                      logits.shape[-1], logits.device)
         argmax = logits.argmax(dim=-1)
         q = torch.nn.functional.one_hot(argmax, logits.shape[-1]).to(torch.float32)
         if meta.all_greedy:
             return argmax.tolist(), q
         probs = compute_probs(logits, meta)
-        generators = {}
-        for row, s in enumerate(rows):
-            p = s.request.sampling_params
-            if not greedy[row] and p.seed is not None:
-                g = self.generator(s.request.request_id, p.seed)
-                if g is not None:
-                    generators[row] = g
-        sampled = exponential_race(probs, generators)
-        is_greedy = torch.tensor(greedy, device=logits.device)
+        sampled = exponential_race(probs, meta.generators)
+        is_greedy = meta.temperature < _SAMPLING_EPS
         tokens = torch.where(is_greedy, argmax, sampled)
         q = torch.where(is_greedy.unsqueeze(1), q, probs)
         return tokens.tolist(), q
+
+    def take_timings(self) -> list[tuple[int, float]]:
+        """The draft forwards' ``(tokens, seconds)`` since the last call."""
+        timings, self.timings = self.timings, []
+        return timings
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Forget requests (finished, or preempted by recompute: their blocks are gone)."""

@@ -36,6 +36,11 @@ class Proposer(Protocol):
         """Forget finished requests."""
         ...
 
+    def take_timings(self) -> list[tuple[int, float]]:
+        """``(tokens, seconds)`` of each model forward the proposer ran since the last call (the k
+        controller's draft cost); empty for a proposer without a model."""
+        ...
+
 
 def with_drafts(row: ScheduledRequest, drafts: Sequence[int]) -> ScheduledRequest:
     """``row`` (a decode row with draft slots) computing its own token and ``drafts``."""
@@ -55,3 +60,6 @@ class NgramRowProposer:
 
     def release(self, request_ids: Sequence[str]) -> None:
         pass
+
+    def take_timings(self) -> list[tuple[int, float]]:
+        return []

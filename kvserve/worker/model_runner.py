@@ -193,8 +193,8 @@ class ModelRunner:
             v.index_copy_(0, idx, data[:, layer, 1])
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """The forward and the sampling of a step with scheduled requests (``execute_model``'s second half)."""
-        swap_bytes, swap_seconds = 0, 0.0
+        """The forward and the sampling of a step with scheduled requests (``execute_model``'s second half;
+        it fills in the step's swap and offload accounting)."""
         scheduled, draft_probs = so.scheduled, None
         if self.proposer is not None:
             scheduled, draft_probs = self.proposer.propose(so.scheduled)
@@ -216,11 +216,10 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(order, hidden, self.model.compute_logits)
         sampling = [s for s in order if s.sample]
         if not sampling:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs,
-                                     swap_bytes=swap_bytes, swap_seconds=swap_seconds)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
         if any(s.draft_token_ids for s in sampling):
-            return self._verify_step(sampling, logits, draft_probs, prompt_logprobs, swap_bytes, swap_seconds)
+            return self._verify_step(sampling, logits, draft_probs, prompt_logprobs)
         requests = [s.request for s in sampling]
         _mask_stop_tokens_before_min_tokens(logits, requests)
         self.logits_processors.apply(logits, requests)
@@ -248,13 +247,11 @@ class ModelRunner:
                 top = list(zip(ids_l[row][1:k + 1], lps_l[row][1:k + 1], strict=True))
                 logprobs.append([TokenLogprobs(ids_l[row][0], lps_l[row][0], ranks[row], top)])
         return ModelRunnerOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=sampled,
-                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, swap_bytes=swap_bytes,
-                                 swap_seconds=swap_seconds,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  num_draft_tokens=[0] * len(requests) if self.proposer is not None else None)
 
     def _verify_step(self, sampling: list[ScheduledRequest], logits: torch.Tensor, draft_probs: torch.Tensor | None,
-                     prompt_logprobs: dict[str, PromptLogprobsChunk], swap_bytes: int, swap_seconds: float
-                     ) -> ModelRunnerOutput:
+                     prompt_logprobs: dict[str, PromptLogprobsChunk]) -> ModelRunnerOutput:
         """Sample a step where some rows verify drafts: every sampling row goes through
         ``spec_decode.verify.verify_drafts`` (a row without drafts is a one-position round: the same
         distribution as the plain sampler). ``logits`` has each row's ``len(drafts) + 1`` positions."""
@@ -262,7 +259,6 @@ class ModelRunner:
         asked = any(s.request.sampling_params.logprobs is not None for s in sampling)
         return ModelRunnerOutput(req_ids=[s.request.request_id for s in sampling], sampled_token_ids=tokens,
                                  logprobs=logprobs if asked else None, prompt_logprobs=prompt_logprobs,
-                                 swap_bytes=swap_bytes, swap_seconds=swap_seconds,
                                  num_draft_tokens=[len(s.draft_token_ids) for s in sampling])
 
     # ---- swapping ------------------------------------------------------------------------------
@@ -391,27 +387,7 @@ class ModelRunner:
             a positive finite tokens/s.
         """
         n = max(1, min(num_tokens, self.num_blocks * self.block_size, self.model.rotary.cos.shape[0]))
-        ids = ((np.arange(n, dtype=np.int64) * 7919 + 17) % self.arch.vocab_size).tolist()
-        request = Request("__measure_prefill__", ids, SamplingParams(max_tokens=1), None, 1)
-        num_blocks = math.ceil(n / self.block_size)
-        scheduled = ScheduledRequest(request, 0, n, [BlockId(b) for b in range(num_blocks)], sample=True)
-        cuda = self.device.type == "cuda"
-        times: list[float] = []
-        for i in range(repeats + 1):
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
-            input_ids, positions, meta, logits_indices = prepare_inputs(
-                [scheduled], 0, self.block_size, self.device, self.native_decode, self.native_prefill)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            if i:  # the first pass is the warm-up
-                times.append(time.perf_counter() - t0)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[:num_blocks].zero_()
-            v_cache[:num_blocks].zero_()
+        times = self._time_dummy_prefill(self.model, self.kv_caches, n, repeats, logits=True)
         return n / max(statistics.median(times), 1e-9)
 
     @torch.inference_mode()
@@ -429,31 +405,36 @@ class ModelRunner:
         model = model or self.model
         caches = kv_caches if kv_caches is not None else self.kv_caches
         cap = min(self.num_blocks * self.block_size, model.rotary.cos.shape[0])
-        out: list[tuple[int, float]] = []
+        return [(n, min(self._time_dummy_prefill(model, caches, n, repeats, logits=False)))
+                for n in sorted({min(max(1, n), cap) for n in sizes})]
+
+    def _time_dummy_prefill(self, model: LlamaForCausalLM, caches: KVCache, n: int, repeats: int,
+                            logits: bool) -> list[float]:
+        """Wall seconds of ``repeats`` forwards (after one warm-up) of a dummy ``n``-token prompt written into
+        the first blocks (zeroed afterwards: the start-up state), with the last token's logits if asked."""
+        ids = ((np.arange(n, dtype=np.int64) * 7919 + 17) % model.config.vocab_size).tolist()
+        request = Request("__measure__", ids, SamplingParams(max_tokens=1), None, 1)
+        num_blocks = math.ceil(n / self.block_size)
+        scheduled = ScheduledRequest(request, 0, n, [BlockId(b) for b in range(num_blocks)], sample=logits)
         cuda = self.device.type == "cuda"
-        for n in sorted({min(max(1, n), cap) for n in sizes}):
-            ids = ((np.arange(n, dtype=np.int64) * 7919 + 17) % model.config.vocab_size).tolist()
-            request = Request("__measure_forward__", ids, SamplingParams(max_tokens=1), None, 1)
-            scheduled = ScheduledRequest(request, 0, n, [BlockId(b) for b in range(math.ceil(n / self.block_size))],
-                                         sample=False)
-            best = math.inf
-            for i in range(repeats + 1):
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                t0 = time.perf_counter()
-                input_ids, positions, meta, _ = prepare_inputs(
-                    [scheduled], 0, self.block_size, self.device, self.native_decode, self.native_prefill)
-                model(input_ids, positions, caches, meta)
-                if cuda:
-                    torch.cuda.synchronize(self.device)
-                if i:
-                    best = min(best, time.perf_counter() - t0)
-            out.append((n, best))
-        num_blocks = math.ceil(max((n for n, _ in out), default=0) / self.block_size)
+        times: list[float] = []
+        for i in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            input_ids, positions, meta, logits_indices = prepare_inputs(
+                [scheduled], 0, self.block_size, self.device, self.native_decode, self.native_prefill)
+            hidden = model(input_ids, positions, caches, meta)
+            if logits:
+                model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            if i:  # the first pass is the warm-up
+                times.append(time.perf_counter() - t0)
         for k_cache, v_cache in caches:
             k_cache[:num_blocks].zero_()
             v_cache[:num_blocks].zero_()
-        return out
+        return times
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
