@@ -78,3 +78,19 @@ def test_an_unusable_disk_path_builds_a_tier_that_is_off(tmp_path: Path, caplog:
     assert isinstance(tier, DiskTier) and not tier.enabled
     assert not tier.store(key(0), payload(0))
     assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"kv_offload_cpu_gib": -1.0}, "kv_offload_cpu_gib"),
+    ({"kv_offload_disk_path": "kv-dir", "kv_offload_disk_gib": 0.0}, "kv_offload_disk_gib"),
+    ({"kv_offload_redis_url": "http://127.0.0.1:1/0"}, "kv_offload_redis_url"),
+    ({"kv_offload_redis_prefix": "a b"}, "kv_offload_redis_prefix"),
+    ({"kv_offload_redis_timeout": 0.0}, "kv_offload_redis_timeout"),
+])
+def test_engine_flags_are_refused_naming_the_flag(kwargs: dict[str, object], param: str) -> None:
+    """The engine's --kv-offload-* fields: a bad value is an InvalidRequestError (400) naming the flag's field."""
+    from kvserve.config import EngineConfig
+
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(**kwargs)  # type: ignore[arg-type]
+    assert e.value.param == param and str(e.value).startswith(f"{param}: ")
