@@ -55,13 +55,16 @@ def _event(obj: Any) -> bytes:
 
 
 def _app(cfg: StubConfig, stats: StubStats) -> web.Application:
-    seen: set[int] = set()  # id() of every transport that carried a request
+    # every transport that carried a request, held (not its id(): CPython reuses the id of a freed transport,
+    # which made a fresh connection look reused and get dropped)
+    seen: list[object] = []
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         transport = request.transport
-        reused = id(transport) in seen
-        seen.add(id(transport))
+        reused = any(t is transport for t in seen)
+        if not reused:
+            seen.append(transport)
         if transport is not None and not body.get("stub_warmup") and (
                 cfg.drop_connections == "all" or (cfg.drop_connections == "reused" and reused)):
             stats.dropped += 1
