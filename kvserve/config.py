@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvserve.errors import InvalidRequestError
+from kvserve.disagg.config import KVTransferConfig
 from kvserve.kv_offload.config import KVOffloadConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
@@ -68,6 +69,8 @@ class EngineConfig:
         speculative_config: speculative decoding, vLLM's JSON object (text or dict), e.g.
             ``{"method": "ngram", "num_speculative_tokens": 4}``; parsed into a
             ``spec_decode.config.SpeculativeConfig``. None: off.
+        kv_transfer_config: prefill/decode disaggregation, vLLM's JSON object (text or dict), parsed into a
+            ``disagg.config.KVTransferConfig``. None: off.
     """
 
     model: str = DEFAULT_MODEL
@@ -103,9 +106,11 @@ class EngineConfig:
     kv_offload_redis_prefix: str = "kvserve:"
     kv_offload_redis_timeout: float = 0.2
     kv_offload_publish: bool = True
+    kv_transfer_config: KVTransferConfig | str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_value(self.kv_transfer_config))
         self.kv_offload()  # validates the offload fields
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
@@ -196,6 +201,10 @@ class EngineConfig:
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '
                             '"qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 3}\'; "adaptive": false pins k')
+        g.add_argument("--kv-transfer-config", default=None,
+                       help='prefill/decode disaggregation as JSON (docs/disagg.md), e.g. \'{"kv_connector": '
+                            '"ZmqConnector", "kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": 14579}\'; '
+                            'roles kv_producer (prefill), kv_consumer (decode), kv_both')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -220,6 +229,13 @@ class EngineConfig:
             name = {"redis_timeout_s": "redis_timeout"}.get(e.param or "", e.param or "")
             message = str(e).removeprefix(f"{e.param}: ") if e.param else str(e)
             raise InvalidRequestError(f"kv_offload_{name}: {message}", param=f"kv_offload_{name}") from None
+
+    @property
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The validated ``--kv-transfer-config`` (None: no disaggregation)."""
+        value = self.kv_transfer_config
+        assert value is None or isinstance(value, KVTransferConfig)
+        return value
 
     @property
     def spec(self) -> SpeculativeConfig | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.core.scheduler_output import TokenLogprobs
 
@@ -70,3 +71,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # PD disaggregation: what a prefill instance returns for the decode instance (None: nothing to continue).
+    kv_transfer_params: dict[str, Any] | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.errors import InvalidRequestError
 from kvserve.structured.params import StructuredOutputsParams
@@ -52,6 +53,8 @@ class SamplingParams:
         bad_words_token_ids: ``bad_words`` as token id sequences, filled in by the engine's tokenizer.
         truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last ``max_model_len``; None: all).
         structured_outputs: the output must match this JSON schema / regex / choice / grammar (xgrammar).
+        kv_transfer_params: prefill/decode disaggregation (vLLM's request field; ``kvserve/disagg/protocol.py``):
+            ``{"do_remote_decode": true}`` to a prefill instance, the dict it returned to a decode instance.
 
     Raises:
         InvalidRequestError: when a field is out of range; the message and ``param`` name the field.
@@ -81,6 +84,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -92,6 +92,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Chained hashes of the full blocks of all_token_ids (prefix caching; filled by the BlockManager).
         self.block_hashes: list[BlockHash] = []
+        # PD disaggregation (disagg/protocol.py): the request's kv_transfer_params (RemoteDecode on a prefill
+        # instance, RemotePrefill on a decode one; None once its KV is in), and what a prefill instance hands
+        # back for the decode instance (a RemotePrefill, set when the request finished with its blocks pinned).
+        self.kv_transfer: object | None = None
+        self.kv_transfer_out: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

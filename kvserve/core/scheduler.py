@@ -36,6 +36,7 @@ import bisect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvserve.core.block_hash import BlockHash
 from kvserve.core.block_manager import BlockId, BlockManager
@@ -45,6 +46,9 @@ from kvserve.core.stop_checker import check_stop
 from kvserve.cost_model import preempt_choice
 from kvserve.kv_offload.manager import OffloadManager, OffloadSnapshot
 from kvserve.spec_decode.controller import SpecController, SpecStats
+
+if TYPE_CHECKING:  # the connector needs zmq; the core imports it only for types
+    from kvserve.disagg.connector import TransferSnapshot, ZmqConnector
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,9 @@ class SchedulerStats:
         swapped_bytes: bytes copied by swaps, out and in.
         spec: speculative decoding's counters (None: off).
         offload: the KV offload tiers' counters (None: off).
+        prompt_tokens_computed: prompt tokens run through the model (not prefix-cache hits, not KV loaded
+            from a tier or transferred from a prefill instance; a recomputed prompt counts again).
+        transfer: the KV connector's counters (None: no ``--kv-transfer-config``).
     """
 
     num_running: int
@@ -128,6 +135,8 @@ class SchedulerStats:
     prefix_cache_hits: int
     spec: SpecStats | None = None
     offload: OffloadSnapshot | None = None
+    prompt_tokens_computed: int = 0
+    transfer: TransferSnapshot | None = None
 
 
 @dataclass
@@ -169,6 +178,8 @@ class Scheduler:
         self.perf = perf or PerfEstimates()
         self.spec = spec  # speculative decoding's k controller (None: off)
         self.offload: OffloadManager | None = None  # KV offload tiers (None: off); see set_offload
+        self.connector: ZmqConnector | None = None  # PD disaggregation (None: off); see set_connector
+        self.prompt_tokens_computed = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -266,7 +277,15 @@ class Scheduler:
         if self.spec is not None:
             self.spec.release([request.request_id])
         request.status = status
-        self.block_manager.free(request.request_id)
+        bm = self.block_manager
+        if self.connector is not None:
+            self.connector.finish(request)  # a decode request that never got admitted: P frees its blocks
+            if status == RequestStatus.FINISHED_LENGTH_CAPPED and self.connector.wants_pin(request):
+                # A prefill instance's prompt: its blocks stay for the decode instance (take_releases frees).
+                request.kv_transfer_out = self.connector.pin(
+                    request, bm.get_block_table(request.request_id), bm.request_block_hashes(request))
+        if request.kv_transfer_out is None:
+            bm.free(request.request_id)
         self._host_release.extend(self.host_tables.pop(request.request_id, []))
         self._finished_ids.append(request.request_id)
 
@@ -302,7 +321,8 @@ class Scheduler:
             self.num_preemptions, self.num_preemptions_by_mode["recompute"], self.num_preemptions_by_mode["swap"],
             self.swapped_bytes, self.prefix_cache_queries, self.prefix_cache_hits,
             self.spec.stats.snapshot() if self.spec is not None else None,
-            self.offload.snapshot() if self.offload is not None else None)
+            self.offload.snapshot() if self.offload is not None else None,
+            self.prompt_tokens_computed, self.connector.snapshot() if self.connector is not None else None)
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -311,6 +331,9 @@ class Scheduler:
         self._host_release = []
         step = _Step(self.config.max_num_batched_tokens)
         bm = self.block_manager
+        if self.connector is not None:
+            for request_id in self.connector.take_releases():  # pins confirmed by the decode side, or expired
+                bm.free(request_id)
 
         # 1-2. running requests: decodes first, then prefill chunks (each in running order).
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -370,6 +393,32 @@ class Scheduler:
         self.offload = manager
         self.block_manager.record_evictions = True
         self.block_manager.record_commits = publish
+
+    def set_connector(self, connector: ZmqConnector) -> None:
+        """Turn on PD disaggregation: a prefill request (``do_remote_decode``) that finishes by length keeps
+        its blocks pinned for a decode instance, and a decode request (``do_remote_prefill``) is admitted with
+        its prompt's KV pulled from the prefill instance (``disagg/connector.py``)."""
+        self.connector = connector
+
+    def _external_kv(self, request: Request, hits: list[BlockId]) -> tuple[list[bytes], int] | None:
+        """KV for the blocks after the prefix-cache hits from outside the device: the prefill instance's
+        (a decode request of PD disaggregation) or the offload tiers'. Returns the payloads and the tokens
+        computed with them (``len(hits) * block_size`` without any), or None while they are being fetched.
+        """
+        bm = self.block_manager
+        base = len(hits) * bm.block_size
+        if self.connector is not None and request.kv_transfer is not None and self.connector.config.is_consumer:
+            bm.request_block_hashes(request)  # the chain the transferred blocks are checked against
+            got = self.connector.lookup(request, len(hits))
+            if got is None or not got[0]:
+                return None if got is None else ([], max(base, got[1]))
+            return got
+        if self.offload is not None and bm.enable_caching and request.sampling_params.prompt_logprobs is None:
+            loaded = self.offload.lookup(request, len(hits), (request.num_tokens - 1) // bm.block_size - len(hits))
+            if loaded is None:
+                return None
+            return loaded, base + len(loaded) * bm.block_size
+        return [], base
 
     def _prefill_demand(self, num_decodes: int) -> int:
         """Prefill tokens this step would compute besides ``num_decodes`` decodes (for the k controller)."""
@@ -461,14 +510,11 @@ class Scheduler:
                     continue
                 break
             hits = bm.get_computed_blocks(request)
-            loaded: list[bytes] = []
-            if self.offload is not None and bm.enable_caching and request.sampling_params.prompt_logprobs is None:
-                got = self.offload.lookup(request, len(hits), (request.num_tokens - 1) // bm.block_size - len(hits))
-                if got is None:
-                    i += 1  # its blocks are being fetched from a slower tier: let the next one go first
-                    continue
-                loaded = got
-            num_computed = (len(hits) + len(loaded)) * bm.block_size
+            external = self._external_kv(request, hits)
+            if external is None:
+                i += 1  # its blocks are being fetched (a slower tier, a prefill instance): next one first
+                continue
+            loaded, num_computed = external
             num_new = self._num_new_tokens(request, step, admitted=True, num_computed=num_computed)
             if num_new == 0:
                 break
@@ -477,16 +523,18 @@ class Scheduler:
                 i += 1  # it would be one partial prefill too many: let the next one try
                 continue
             if not bm.allocate_slots(request.request_id, len(hits) * bm.block_size,
-                                     len(loaded) * bm.block_size + num_new, hits):
+                                     num_computed - len(hits) * bm.block_size + num_new, hits):
                 if self._preempt_for(request, step):
                     continue
                 break
             if self.offload is not None:
                 self.offload.release([request.request_id])
-            if loaded:  # offload hits: fresh blocks, written before the forward, cached from now on
+            if self.connector is not None:
+                self.connector.finish(request)  # the KV is in (or will be recomputed): P may free it
+            if loaded:  # external KV: fresh blocks, written before the forward, cached from now on
                 table = bm.get_block_table(request.request_id)
                 step.loads.extend(zip(table[len(hits):len(hits) + len(loaded)], loaded, strict=True))
-                bm.cache_blocks(request, num_computed, publish=False)  # they came from a tier
+                bm.cache_blocks(request, num_computed, publish=False)  # not computed here
             del self.waiting[i]
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
@@ -610,6 +658,9 @@ class Scheduler:
                 continue
             s.request.num_computed_tokens += s.num_scheduled_tokens
             bm.cache_blocks(s.request, s.request.num_computed_tokens)
+        for s in output.scheduled:  # prompt positions this step ran through the model
+            self.prompt_tokens_computed += max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
+                                                      s.request.num_prompt_tokens) - s.num_computed_tokens)
         updates: list[RequestUpdate] = []
         for row, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)

@@ -11,20 +11,24 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvserve import cpu_features
 from kvserve.config import EngineConfig
-from kvserve.core.block_manager import BlockManager
+from kvserve.core.block_hash import BlockHash
+from kvserve.core.block_manager import BlockId, BlockManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.scheduler import PerfEstimates, RequestUpdate, Scheduler, SchedulerConfig
 from kvserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk, SchedulerOutput
+from kvserve.disagg.config import KVTransferConfig
+from kvserve.disagg.protocol import RemoteDecode, RemotePrefill, parse_transfer_params
 from kvserve.engine.generation_config import load_generation_defaults
 from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.kv_offload.config import build_tiers
@@ -54,6 +58,9 @@ from kvserve.worker.kv_cache import (
     num_host_blocks_for,
 )
 from kvserve.worker.model_runner import ModelRunner, build_model
+
+if TYPE_CHECKING:
+    from kvserve.disagg.connector import ZmqConnector
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +178,7 @@ class _Sequence:
     index: int
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[Any] | None
+    text_skip: int = 0  # characters of output text not reported (a decode instance's first tokens, from P)
 
 
 @dataclass
@@ -277,6 +285,10 @@ class LLMEngine:
             self.scheduler.set_offload(self.offload, publish=self.offload.publish)
             logger.info("KV offload tiers: %s (block %d bytes)", ", ".join(
                 repr(t) if t.name == "redis" else t.name for t in self.offload.tiers), meta.nbytes)
+        self.connector: ZmqConnector | None = None
+        if config.kv_transfer is not None:
+            self.connector = self._build_connector(config.kv_transfer)
+            self.scheduler.set_connector(self.connector)
         # Structured output (xgrammar): grammars compile on first use, cached per schema (shared with the server).
         self.structured_outputs: StructuredOutputBackend | None = None
         if self.tokenizer is not None:
@@ -296,6 +308,32 @@ class LLMEngine:
         logger.info("loaded %s (%s, %s, KV cache %s) in %.1f s: %d KV blocks of %d tokens", config.model,
                     self.device, self.dtype, self.kv_dtype, time.perf_counter() - t0, self.num_blocks,
                     config.block_size)
+
+    def _build_connector(self, cfg: KVTransferConfig) -> ZmqConnector:
+        """The PD-disaggregation KV connector (``--kv-transfer-config``); a producer binds its port here.
+
+        Raises:
+            InvalidRequestError: the producer's ``kv_ip:kv_port`` cannot be bound.
+        """
+        import zmq
+
+        from kvserve.disagg.connector import ZmqConnector
+
+        runner = self.runner
+
+        def export(block_ids: list[int]) -> list[bytes]:
+            return [p for _, p, _ in runner.export_blocks([(BlockId(b), BlockHash(b""), False) for b in block_ids])]
+
+        nbytes = math.prod(runner.offload_block_shape) * self.kv_dtype.itemsize
+        try:
+            connector = ZmqConnector(cfg, self.fingerprint, self.config.block_size, nbytes,
+                                     str(self.kv_dtype).removeprefix("torch."), runner.offload_block_shape, export)
+        except zmq.ZMQError as e:
+            raise InvalidRequestError(f"kv_transfer_config: cannot bind {cfg.kv_ip}:{cfg.kv_port} ({e})",
+                                      param="kv_transfer_config") from None
+        logger.info("KV transfer: %s as %s, engine id %s%s", cfg.kv_connector, cfg.kv_role, connector.engine_id,
+                    f", serving KV on {cfg.kv_ip}:{connector.port}" if cfg.is_producer else "")
+        return connector
 
     # ---- speculative decoding ------------------------------------------------------------------
     def _load_draft_model(self, spec: SpeculativeConfig) -> LlamaForCausalLM | None:
@@ -468,6 +506,7 @@ class LLMEngine:
                 f"prompt: this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                 f"{n} tokens (no room for any output)", param="prompt")
         self._check_num_logprobs(params)
+        transfer = self._check_transfer(params, n)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop: stop strings need a tokenizer", param="stop")
         limit = self.max_model_len - n
@@ -485,7 +524,15 @@ class LLMEngine:
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, child, self.eos_token_id, max_tokens, arrival, priority, cache_salt)
             detok = IncrementalDetokenizer(self.tokenizer.backend, ids, child) if self.tokenizer else None
-            group.sequences.append(_Sequence(req, i, detok, [] if params.logprobs is not None else None))
+            seq = _Sequence(req, i, detok, [] if params.logprobs is not None else None)
+            req.kv_transfer = transfer
+            if isinstance(transfer, RemotePrefill):  # P sampled these (streamed by the proxy): D goes on after them
+                for token_id in transfer.first_token_ids:
+                    req.append_output_token(token_id)
+                if detok is not None:
+                    detok.update(transfer.first_token_ids)
+                    seq.text_skip = len(detok.output_text)
+            group.sequences.append(seq)
         self.groups[request_id] = group
         for seq in group.sequences:
             self._seq_to_group[seq.request.request_id] = group
@@ -499,6 +546,46 @@ class LLMEngine:
         if group.finished:
             self._pending.append(self._finish_group(group))
         return request_id
+
+    def _check_transfer(self, params: SamplingParams, num_prompt_tokens: int) -> RemoteDecode | RemotePrefill | None:
+        """Validate a request's ``kv_transfer_params`` against this instance's role.
+
+        Raises:
+            InvalidRequestError: malformed params, no ``--kv-transfer-config`` with the needed role, n > 1,
+                a prompt whose length differs from the prefill instance's, too few ``max_tokens``, or
+                out-of-vocabulary first tokens (``param`` is ``kv_transfer_params``).
+        """
+        transfer = parse_transfer_params(params.kv_transfer_params)
+        if transfer is None:
+            return None
+
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"kv_transfer_params: {msg}", param="kv_transfer_params")
+
+        c = self.connector
+        if isinstance(transfer, RemoteDecode):
+            if c is None or not c.config.is_producer:
+                raise bad("do_remote_decode needs an instance started with --kv-transfer-config and kv_role "
+                          "kv_producer or kv_both")
+        else:
+            if c is None or not c.config.is_consumer:
+                raise bad("do_remote_prefill needs an instance started with --kv-transfer-config and kv_role "
+                          "kv_consumer or kv_both")
+            if transfer.num_prompt_tokens != num_prompt_tokens:
+                raise bad(f"the prefill instance computed {transfer.num_prompt_tokens} prompt tokens, this request "
+                          f"has {num_prompt_tokens} (send the same prompt and chat template to both)")
+            if params.max_tokens is not None and params.max_tokens <= len(transfer.first_token_ids):
+                raise bad(f"max_tokens {params.max_tokens} leaves nothing to decode after the "
+                          f"{len(transfer.first_token_ids)} token(s) the prefill instance sampled")
+            if any(not 0 <= t < self.arch.vocab_size for t in transfer.first_token_ids):
+                raise bad("first_token_ids holds a token id out of the vocabulary")
+            if params.structured_outputs is not None:
+                raise bad("structured outputs are not supported on a decode instance (send them to one instance)")
+        if params.n > 1:
+            raise bad("n > 1 is not supported with kv_transfer_params (send one request per sample)")
+        if params.prompt_logprobs is not None:
+            raise bad("prompt_logprobs are not supported with kv_transfer_params")
+        return transfer
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); every KV block they held is freed."""
@@ -529,6 +616,8 @@ class LLMEngine:
         if so.is_empty and not so.blocks_to_swap_out and not so.blocks_to_offload:
             if self.offload is not None and self.offload.num_fetching:
                 self.offload.wait_fetches(0.005)  # requests wait for their blocks: sleep, don't spin
+            if self.connector is not None and self.connector.num_pulling:
+                self.connector.wait_pulls(0.005)
             return outputs
         try:
             t0 = time.perf_counter()
@@ -647,7 +736,9 @@ class LLMEngine:
         for seq in group.sequences:
             req = seq.request
             finished = req.is_finished
-            text = seq.detokenizer.get_next_output_text(finished, delta=False) if seq.detokenizer else ""
+            text = ""
+            if seq.detokenizer is not None:
+                text = seq.detokenizer.get_next_output_text(finished, delta=False)[seq.text_skip:]
             token_ids = [] if group.score_only else list(req.output_token_ids)
             outs.append(CompletionOutput(seq.index, text, token_ids,
                                          list(seq.logprobs) if seq.logprobs is not None else None,
@@ -659,10 +750,12 @@ class LLMEngine:
         if scheduled is not None:  # queue time = first_scheduled_time - arrival_time (server metrics)
             metrics["first_scheduled_time"] = scheduled
         errors = [s.request.error for s in group.sequences if s.request.error]
+        out = group.sequences[0].request.kv_transfer_out
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, group.finished,
                              list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
                              group.sequences[0].request.num_cached_tokens,
-                             errors[0] if errors else None, metrics)
+                             errors[0] if errors else None, metrics,
+                             out.to_dict() if isinstance(out, RemotePrefill) else None)
 
     def _finish_group(self, group: _Group) -> RequestOutput:
         self.groups.pop(group.request_id, None)
@@ -683,7 +776,10 @@ class LLMEngine:
 
     def close(self) -> None:
         """Write the prefix blocks still on the device to the local offload tiers (so that a disk tier
-        serves them after a restart), store everything queued, and close the tiers (idempotent)."""
+        serves them after a restart), store everything queued, and close the tiers (idempotent); stop the KV
+        connector."""
+        if self.connector is not None:
+            self.connector.close()
         if self.offload is None or self.offload.closed:
             return
         if self.offload.local:
