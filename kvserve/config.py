@@ -6,8 +6,8 @@ import argparse
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvserve.errors import InvalidRequestError
 from kvserve.disagg.config import KVTransferConfig
+from kvserve.errors import InvalidRequestError
 from kvserve.kv_offload.config import KVOffloadConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 

@@ -36,6 +36,14 @@ thread-safe, and the HTTP thread only renders them.
 | ``kv_offload_load_seconds{tier}`` | histogram | time to load one request's run of blocks from a tier |
 | ``kv_offload_errors_total{tier,kind}`` | counter | misses by cause (timeout, connection, checksum, ...) |
 | ``kv_offload_stores_dropped_total`` | counter | blocks not stored: the writer queue was full |
+| ``prompt_tokens_computed_total`` | counter | prompt tokens run through the model (not prefix hits, not loaded KV) |
+| ``kv_transfer_pulls_total`` / ``kv_transfer_bytes_received_total`` | counter | decode side: prompts' KV pulled |
+| ``kv_transfer_seconds`` | histogram | decode side: one pull, asked to received |
+| ``kv_transfer_bytes_sent_total`` / ``kv_transfer_blocks_sent_total`` | counter | prefill side: KV served |
+| ``kv_transfer_failures_total{kind}`` | counter | pulls that failed (timeout, unknown, hash, checksum, ...) |
+| ``kv_transfer_recomputed_requests_total`` | counter | decode requests that recomputed their prompt |
+| ``kv_transfer_pinned_blocks`` | gauge | prefill side: blocks held for a decode instance |
+| ``kv_transfer_pins_expired_total`` | counter | prefill side: pins freed by kv_transfer_timeout_s |
 
 Gauges are refreshed after every loop iteration, including the ones that only process aborts, so they
 return to 0 as soon as the engine is idle (no stale values after a wave of cancellations).
@@ -172,6 +180,24 @@ class EngineMetrics:
                                            tier_labels, buckets=_ITL_BUCKETS, registry=r)
         self.kv_offload_stores_dropped = counter("kv_offload_stores_dropped",
                                                  "KV blocks not stored: the offload writer queue was full.")
+        self.prompt_tokens_computed = counter(
+            "prompt_tokens_computed", "Prompt tokens run through the model (not prefix-cache hits, not KV loaded "
+            "from a tier or transferred from a prefill instance).")
+        self.kv_transfer_pulls = counter("kv_transfer_pulls", "Prompts' KV pulled from a prefill instance.")
+        self.kv_transfer_bytes_received = counter("kv_transfer_bytes_received",
+                                                  "KV bytes pulled from prefill instances.")
+        self.kv_transfer_bytes_sent = counter("kv_transfer_bytes_sent", "KV bytes served to decode instances.")
+        self.kv_transfer_blocks_sent = counter("kv_transfer_blocks_sent", "KV blocks served to decode instances.")
+        self._kv_transfer_failures = Counter(pfx + "kv_transfer_failures", "KV pulls that failed, by kind.",
+                                             ["model_name", "kind"], registry=r)
+        self.kv_transfer_recomputed = counter("kv_transfer_recomputed_requests",
+                                              "Decode requests that recomputed their prompt (the pull failed).")
+        self.kv_transfer_pinned_blocks = gauge("kv_transfer_pinned_blocks",
+                                               "KV blocks held for a decode instance to pull.")
+        self.kv_transfer_pins_expired = counter("kv_transfer_pins_expired",
+                                                "Pinned prompts freed by kv_transfer_timeout_s, never pulled.")
+        self.kv_transfer_seconds = histogram("kv_transfer_seconds", "One KV pull, asked to received (s).",
+                                             _ITL_BUCKETS)
         self._progress: dict[str, _Progress] = {}
         self._last: SchedulerStats | None = None
 
@@ -252,6 +278,21 @@ class EngineMetrics:
             self.spec_mean_k.set(s.last_mean_k)
         if stats.offload is not None:
             self._update_offload(stats.offload, last.offload if last is not None else None)
+        self.prompt_tokens_computed.inc(stats.prompt_tokens_computed - (last.prompt_tokens_computed if last else 0))
+        if stats.transfer is not None:
+            t, lt = stats.transfer, last.transfer if last is not None else None
+            self.kv_transfer_pulls.inc(t.pulls - (lt.pulls if lt else 0))
+            self.kv_transfer_bytes_received.inc(t.bytes_received - (lt.bytes_received if lt else 0))
+            self.kv_transfer_bytes_sent.inc(t.bytes_sent - (lt.bytes_sent if lt else 0))
+            self.kv_transfer_blocks_sent.inc(t.blocks_served - (lt.blocks_served if lt else 0))
+            self.kv_transfer_recomputed.inc(t.recomputed_requests - (lt.recomputed_requests if lt else 0))
+            self.kv_transfer_pins_expired.inc(t.pins_expired - (lt.pins_expired if lt else 0))
+            for kind, n in t.failures.items():
+                prev = lt.failures.get(kind, 0) if lt else 0
+                self._kv_transfer_failures.labels(self._model_name, kind).inc(n - prev)
+            self.kv_transfer_pinned_blocks.set(t.pinned_blocks)
+            for seconds in t.transfer_seconds:
+                self.kv_transfer_seconds.observe(seconds)
         self._last = stats
 
     def _update_offload(self, o: OffloadSnapshot, lo: OffloadSnapshot | None) -> None:

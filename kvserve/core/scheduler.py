@@ -331,9 +331,7 @@ class Scheduler:
         self._host_release = []
         step = _Step(self.config.max_num_batched_tokens)
         bm = self.block_manager
-        if self.connector is not None:
-            for request_id in self.connector.take_releases():  # pins confirmed by the decode side, or expired
-                bm.free(request_id)
+        self.release_pins()
 
         # 1-2. running requests: decodes first, then prefill chunks (each in running order).
         order = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -393,6 +391,12 @@ class Scheduler:
         self.offload = manager
         self.block_manager.record_evictions = True
         self.block_manager.record_commits = publish
+
+    def release_pins(self) -> None:
+        """Free the blocks pinned for decode instances that confirmed having them, or timed out."""
+        if self.connector is not None:
+            for request_id in self.connector.take_releases():
+                self.block_manager.free(request_id)
 
     def set_connector(self, connector: ZmqConnector) -> None:
         """Turn on PD disaggregation: a prefill request (``do_remote_decode``) that finishes by length keeps

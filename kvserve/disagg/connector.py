@@ -16,6 +16,7 @@ server thread reads pinned blocks, which nothing writes while pinned (a pin bein
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -109,6 +110,9 @@ class ZmqConnector:
         self.dtype = dtype
         self.block_shape = list(block_shape)
         self._export = export
+        # Fault injection for tests only: a producer that answers pulls this many seconds late (so that a test
+        # can kill it mid-transfer). Unset in any real deployment.
+        self._serve_delay_s = float(os.environ.get("KVSERVE_TEST_KV_SERVE_DELAY_S", "0"))
         self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
         # Called from the server thread when a release arrives, so that an idle engine loop runs
         # ``take_releases`` at once (AsyncLLM sets it).
@@ -229,6 +233,8 @@ class ZmqConnector:
         if pin is None:
             return [ENCODER.encode(PullReply("unknown"))]
         try:
+            if self._serve_delay_s > 0:
+                time.sleep(self._serve_delay_s)
             if msg.fingerprint != self.fingerprint:
                 return [ENCODER.encode(PullReply("fingerprint"))]
             if not 0 <= msg.first_block <= len(pin.block_ids):

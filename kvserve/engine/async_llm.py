@@ -319,15 +319,24 @@ class AsyncLLM:
         num_threads = getattr(engine, "num_threads", None)  # (an engine double may not say)
         if num_threads:
             torch.set_num_threads(num_threads)  # OpenMP's count is per calling thread
+        # Background work of an idle engine (PD disaggregation: blocks pinned for a decode instance are
+        # freed when it confirms, or when their timeout passes); an engine double may have none.
+        poll = getattr(engine, "poll_background", None)
+        idle_wait = getattr(engine, "idle_wait_s", lambda: None)
+        connector = getattr(engine, "connector", None)
+        if connector is not None:
+            connector.wakeup = self._wake
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._stopping or engine.has_unfinished_requests()):
-                        self._cond.wait()
+                    if not (self._inbox or self._stopping or engine.has_unfinished_requests()):
+                        self._cond.wait(idle_wait())
                     if self._stopping:
                         return
                     items = list(self._inbox)
                     self._inbox.clear()
+                if poll is not None:
+                    poll()
                 for item in items:
                     if isinstance(item, _Add):
                         self._add(item)
@@ -353,6 +362,11 @@ class AsyncLLM:
             with self._cond:
                 self._dead = EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}")
             self._call_soon(self._fail_all, self._dead)
+
+    def _wake(self) -> None:
+        """Wake the loop thread (called from other threads, e.g. the KV connector's server)."""
+        with self._cond:
+            self._cond.notify()
 
     def _add(self, item: _Add) -> None:
         error: BaseException | None = None

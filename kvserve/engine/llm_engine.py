@@ -601,6 +601,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._pending)
 
+    def poll_background(self) -> None:
+        """Work an idle engine still has: free the blocks pinned for decode instances that confirmed (or
+        whose ``kv_transfer_timeout_s`` passed). ``step()`` does the same; the server loop calls this."""
+        self.scheduler.release_pins()
+
+    def idle_wait_s(self) -> float | None:
+        """How long an idle engine loop may sleep before ``poll_background`` has work (None: until woken)."""
+        return self.connector.next_deadline_s() if self.connector is not None else None
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
 

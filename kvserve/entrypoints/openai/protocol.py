@@ -71,6 +71,8 @@ class _SamplingRequest(StructuredOutputFields, _Body):
     bad_words: list[Str] | None = None
     include_stop_str_in_output: Bool = False
     truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=-1, le=_I64_MAX)] | None = None
+    # PD disaggregation (vLLM's field, kvserve/disagg/protocol.py): validated by the engine
+    kv_transfer_params: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         """Raises InvalidRequestError for fields kvserve accepts but cannot honour."""
@@ -81,6 +83,9 @@ class _SamplingRequest(StructuredOutputFields, _Body):
         if self.prompt_logprobs is not None and self.stream:
             raise InvalidRequestError("prompt_logprobs: not available with stream=true (as vLLM)",
                                       param="prompt_logprobs")
+        if self.stream and (self.kv_transfer_params or {}).get("do_remote_decode"):
+            raise InvalidRequestError("kv_transfer_params: do_remote_decode needs stream=false (the response "
+                                      "carries the parameters for the decode instance)", param="kv_transfer_params")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -104,7 +109,7 @@ class _SamplingRequest(StructuredOutputFields, _Body):
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(), kv_transfer_params=self.kv_transfer_params)
         given = self.model_fields_set
         for name, value in (defaults or {}).items():
             unset = not ({"max_tokens", "max_completion_tokens"} & given) if name == "max_tokens" else name not in given

@@ -76,7 +76,8 @@ async def create_chat_completion(ctx: ServerContext, raw: Request, req: ChatComp
         "id": request_id, "object": "chat.completion", "created": now_s(), "model": ctx.served_model_name,
         "choices": choices, "usage": _usage(out),
         **({"prompt_logprobs": prompt_logprobs_json(out.prompt_logprobs)} if params.prompt_logprobs is not None
-           else {})})
+           else {}),
+        **({"kv_transfer_params": out.kv_transfer_params} if req.kv_transfer_params is not None else {})})
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

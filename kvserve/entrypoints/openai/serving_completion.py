@@ -32,7 +32,7 @@ from kvserve.entrypoints.openai.serving import (
     usage,
 )
 from kvserve.entrypoints.openai.structured import check_compiles
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequestError, KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 
 _CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; never seen by the client
@@ -59,6 +59,9 @@ async def create_completion(ctx: ServerContext, raw: Request, req: CompletionReq
     for _, ids in encoded:
         ctx.check_length(len(ids), req.max_tokens)
     params = req.sampling_params(req.max_tokens, req.logprobs, ctx.sampling_defaults)
+    if req.kv_transfer_params is not None and len(encoded) > 1:
+        raise InvalidRequestError("kv_transfer_params: one prompt per request (this one has "
+                                  f"{len(encoded)})", param="kv_transfer_params")
     await check_compiles(ctx.llm.engine.structured_outputs, params.structured_outputs)
     request_id = new_id("cmpl")
     ctx.log_request(request_id, [text if text is not None else ids for text, ids in encoded], params)
@@ -87,7 +90,8 @@ async def create_completion(ctx: ServerContext, raw: Request, req: CompletionReq
     choices.sort(key=lambda ch: ch["index"])
     return JSONResponse({
         "id": request_id, "object": "text_completion", "created": now_s(), "model": ctx.served_model_name,
-        "choices": choices, "usage": _usage(outs, num_prompt_tokens)})
+        "choices": choices, "usage": _usage(outs, num_prompt_tokens),
+        **({"kv_transfer_params": outs[0].kv_transfer_params} if req.kv_transfer_params is not None else {})})
 
 
 def _usage(outs: list[RequestOutput], num_prompt_tokens: int) -> dict[str, Any]:
