@@ -185,3 +185,28 @@ def test_decode_params_must_match_the_prompt(decode: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="leaves nothing to decode"):
         decode.engine.add_request("z", {"prompt_token_ids": [1, 2, 3, 4, 5]},
                                   _greedy(kv_transfer_params=kv).clone(max_tokens=1))
+
+
+def test_kv_of_another_model_is_refused_and_recomputed(model: Path, tmp_path: Path) -> None:
+    other = _save_tiny_qwen2(tmp_path / "other", seed=1)  # same shapes, other weights: another fingerprint
+    p = _llm(other, "kv_producer")
+    d = _llm(model, "kv_consumer")
+    ref_llm = _llm(model)
+    try:
+        prompt = PROMPTS[13]
+        ref = ref_llm.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+        out = p.generate([{"prompt_token_ids": prompt}],
+                         _greedy(max_tokens=1, kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)[0]
+        kv = out.kv_transfer_params
+        assert kv is not None
+        kv = {**kv, "first_token_ids": [ref[0]]}  # the token this model would have sampled
+        got = d.generate([{"prompt_token_ids": prompt}], _greedy(kv_transfer_params=kv), use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == ref  # recomputed with its own weights, not the other model's KV
+        snap = d.engine.connector.snapshot()  # type: ignore[union-attr]
+        assert snap.failures == {"fingerprint": 1} and snap.recomputed_requests == 1
+        assert d.engine.scheduler.prompt_tokens_computed == 13
+        _drain(p)  # D released it after the failed pull
+        assert p.engine.connector.num_pinned_blocks == 0  # type: ignore[union-attr]
+    finally:
+        for llm in (p, d, ref_llm):
+            llm.engine.close()
