@@ -4,7 +4,7 @@
 |---|---|
 | ``model_info.py`` | architecture and weight sizes from a GGUF header or safetensors headers, no weights loaded |
 | ``bandwidth.py`` | a quick memory-bandwidth measurement of this machine (numpy copy) |
-| ``measured.py`` | a measured spec-decode acceptance from a server's ``/metrics`` or a benchmark JSON |
+| ``measured.py`` | measured spec-decode acceptance and KV transfer bandwidth: a server's ``/metrics``, a bench JSON |
 | ``plan.py`` | every section of the plan as plain data, computed with ``kvserve.cost_model`` |
 | ``render.py`` | the plan as rich tables |
 | ``cli.py`` | the ``kvserve plan`` argument parser |

@@ -1,5 +1,5 @@
 """The ``kvserve plan`` command: ``kvserve plan --model smollm2-135m-instruct [--memory-gib 16] [--json]
-[--metrics-url URL | --bench-json FILE]``."""
+[--metrics-url URL | --bench-json FILE]`` (a measured spec-decode acceptance and/or KV transfer bandwidth)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from kvserve import cpu_features
 from kvserve.cost_model import KV_DTYPE_BYTES
-from kvserve.planner.measured import MeasuredAcceptance
+from kvserve.planner.measured import BENCH_SECTIONS, TRANSFER_SECTIONS, MeasuredAcceptance, Measurements
 from kvserve.planner.plan import GB, GiB, PlanOptions
 
 
@@ -41,18 +41,24 @@ def add_plan_parser(sub: Any) -> None:
                    help="effective prefill FLOP/s in TFLOP/s (default 0.08: measured kvserve CPU prefill here)")
     p.add_argument("--draft-cost-ratio", type=float, default=d.draft_cost_ratio)
     p.add_argument("--num-devices", type=int, default=d.num_devices)
-    p.add_argument("--interconnect-gbs", type=float, default=d.interconnect_bytes_per_s / GB)
+    p.add_argument("--interconnect-gbs", type=float, default=d.interconnect_bytes_per_s / GB,
+                   help="P -> D link GB/s for the PD go/no-go (a bandwidth measured through --metrics-url / "
+                        "--bench-json replaces it)")
     p.add_argument("--tpot-slo-ms", type=float, default=None)
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--metrics-url", default=None, metavar="URL",
                      help="a running server's /metrics (kvserve: or vllm: names): show its measured spec-decode "
-                          "acceptance α = accepted / draft tokens in the spec-decode table")
+                          "acceptance α = accepted / draft tokens in the spec-decode table, and (a decode "
+                          "instance) use its KV transfer bandwidth = bytes received / transfer seconds in the "
+                          "PD interconnect check")
     src.add_argument("--bench-json", default=None, metavar="FILE",
-                     help="the acceptance recorded by benchmarks/spec_decode.py in FILE, likewise")
-    p.add_argument("--bench-section", default=None, choices=["ngram", "draft", "load"],
-                   help="which section of --bench-json (default: the first of ngram, draft, load it has)")
+                     help="the acceptance recorded by benchmarks/spec_decode.py, or the KV transfer bandwidth "
+                          "recorded by benchmarks/disagg.py, in FILE, likewise")
+    p.add_argument("--bench-section", default=None, choices=[*BENCH_SECTIONS, *TRANSFER_SECTIONS],
+                   help="which section of --bench-json: ngram, draft, load for the acceptance (default: the "
+                        "first it has), itl, mixed for the bandwidth (default: every workload)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
@@ -74,19 +80,30 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         prompt_len=args.prompt_len, output_len=args.output_len)
 
 
-def measured_acceptance(args: argparse.Namespace) -> MeasuredAcceptance | None:
-    """The acceptance ``--metrics-url`` / ``--bench-json`` point at (None without either).
+def measurements(args: argparse.Namespace) -> Measurements:
+    """What ``--metrics-url`` / ``--bench-json`` measured (nothing without either): the acceptance and the
+    KV transfer bandwidth, either of which a source may lack.
 
     Raises:
-        InvalidRequestError: the source cannot be read or has no spec-decode counts.
+        InvalidRequestError: the source cannot be read or has neither measurement.
     """
     from kvserve.planner import measured
 
     if getattr(args, "metrics_url", None):
-        return measured.acceptance_from_metrics_url(args.metrics_url)
+        return measured.from_metrics_url(args.metrics_url)
     if getattr(args, "bench_json", None):
-        return measured.acceptance_from_bench_json(args.bench_json, getattr(args, "bench_section", None))
-    return None
+        return measured.from_bench_json(args.bench_json, getattr(args, "bench_section", None))
+    return Measurements()
+
+
+def measured_acceptance(args: argparse.Namespace) -> MeasuredAcceptance | None:
+    """The acceptance ``--metrics-url`` / ``--bench-json`` point at (None without either, or when the
+    source has only a KV transfer bandwidth).
+
+    Raises:
+        InvalidRequestError: the source cannot be read or has neither measurement.
+    """
+    return measurements(args).acceptance
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -99,8 +116,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from kvserve.planner.bandwidth import measure_bandwidth
 
         measured = measure_bandwidth()._asdict()
-    acceptance = measured_acceptance(args)
-    plan = build_plan(load_model_info(args.model), opts, measured, acceptance)
+    found = measurements(args)
+    for note in found.notes:  # the part a source lacks (the other one is there)
+        print(f"kvserve plan: {note}", file=sys.stderr)
+    plan = build_plan(load_model_info(args.model), opts, measured, found.acceptance, found.transfer)
     if args.json:
         json.dump(plan, sys.stdout, indent=1)
         print()

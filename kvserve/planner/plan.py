@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvserve import cost_model as cm
-from kvserve.planner.measured import MeasuredAcceptance
+from kvserve.planner.measured import MeasuredAcceptance, MeasuredTransfer
 from kvserve.planner.model_info import ModelInfo
 
 GiB = 1 << 30
@@ -96,10 +96,12 @@ def spec_decode_section(draft_cost_ratio: float, acceptance: MeasuredAcceptance 
 
 
 def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | None = None,
-               acceptance: MeasuredAcceptance | None = None) -> dict[str, Any]:
+               acceptance: MeasuredAcceptance | None = None,
+               transfer: MeasuredTransfer | None = None) -> dict[str, Any]:
     """The whole plan. ``measured``: bandwidths measured on this machine (bytes/s: ``memory``, ``copy``), used
     where ``opts`` gives none. ``acceptance``: a measured speculative-decoding acceptance
-    (``planner.measured``), shown as its own row of the spec-decode table.
+    (``planner.measured``), shown as its own row of the spec-decode table. ``transfer``: a measured KV
+    transfer bandwidth, used by the PD interconnect check instead of ``opts.interconnect_bytes_per_s``.
 
     Raises:
         ValueError: no bandwidth given or measured, an unknown dtype, or an invalid size.
@@ -168,27 +170,32 @@ def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | 
 
     decode_tok_s = next((r["total_tok_s"] for r in rows if r["batch"] == roofline["best_batch"]),
                         rows[0]["total_tok_s"])
-    pd = pd_checklist(opts, bpt, prefill, decode_tok_s)
+    pd = pd_checklist(opts, bpt, prefill, decode_tok_s, transfer)
     return {"model": model, "kv": kv, "roofline": roofline, "preemption": preempt, "fetch_vs_recompute": fetch,
             "spec_decode": spec, "kv_8bit": quant, "pd": pd, "options": asdict(opts)}
 
 
 def pd_checklist(opts: PlanOptions, kv_bytes_per_token: int, prefill_tokens_per_s: float,
-                 decode_tokens_per_s: float) -> dict[str, Any]:
+                 decode_tokens_per_s: float, transfer: MeasuredTransfer | None = None) -> dict[str, Any]:
     """Prefill/decode disaggregation go/no-go with a reason per check (cost-model.md "Prefill/decode
     disaggregation"). GO only when every check passes; otherwise "chunked prefill first".
 
     Checks: interconnect at least RDMA class (25 GB/s) and the prompt's KV transfer at most 10 % of its
     prefill time; at least 8 devices; a strict TPOT SLO given; both pools get ≥ 1 device at the P:D split
-    the prompt/output ratio implies (``cost_model.pd_prefill_share``).
+    the prompt/output ratio implies (``cost_model.pd_prefill_share``). The interconnect is ``transfer``'s
+    measured bandwidth (bytes/s) when given, else ``opts.interconnect_bytes_per_s``; ``interconnect`` in
+    the result says which (``source``: ``"--interconnect-gbs"`` or the measurement's source).
     """
-    t_x = cm.pd_transfer_time_s(opts.prompt_len, kv_bytes_per_token, opts.interconnect_bytes_per_s)
+    link = transfer.bandwidth_bytes_per_s if transfer is not None else opts.interconnect_bytes_per_s
+    link_txt = (f"measured {link / GB:.3g} GB/s from {transfer.source}" if transfer is not None
+                else f"{link / GB:g} GB/s link")
+    t_x = cm.pd_transfer_time_s(opts.prompt_len, kv_bytes_per_token, link)
     t_p = cm.recompute_time_s(opts.prompt_len, prefill_tokens_per_s)
     share = cm.pd_prefill_share(opts.prompt_len, opts.output_len, prefill_tokens_per_s, decode_tokens_per_s)
     n_p = min(max(round(share * opts.num_devices), 1), max(opts.num_devices - 1, 1))
     checks = [
-        {"check": "interconnect", "ok": opts.interconnect_bytes_per_s >= RDMA_CLASS_BYTES_PER_S and t_x <= 0.1 * t_p,
-         "reason": f"{opts.interconnect_bytes_per_s / GB:g} GB/s link (RDMA class ≥ {RDMA_CLASS_BYTES_PER_S / GB:g}); "
+        {"check": "interconnect", "ok": link >= RDMA_CLASS_BYTES_PER_S and t_x <= 0.1 * t_p,
+         "reason": f"{link_txt} (RDMA class ≥ {RDMA_CLASS_BYTES_PER_S / GB:g}); "
                    f"moving a {opts.prompt_len}-token prompt's KV takes {t_x * 1000:.2f} ms vs "
                    f"{t_p * 1000:.1f} ms to prefill it (must be ≤ 10 %)"},
         {"check": "devices", "ok": opts.num_devices >= PD_MIN_DEVICES,
@@ -201,5 +208,9 @@ def pd_checklist(opts: PlanOptions, kv_bytes_per_token: int, prefill_tokens_per_
                    f"time -> {n_p} prefill : {max(opts.num_devices - n_p, 0)} decode devices"},
     ]
     go = all(c["ok"] for c in checks)
+    interconnect = {"bytes_per_s": link, "measured": transfer is not None,
+                    "source": transfer.source if transfer is not None else "--interconnect-gbs",
+                    "measurement": transfer.as_dict() if transfer is not None else None}
     return {"go": go, "verdict": "GO: disaggregate" if go else "NO-GO: chunked prefill first", "checks": checks,
-            "transfer_s": t_x, "prefill_s": t_p, "prefill_share": share, "prefill_devices": n_p}
+            "interconnect": interconnect, "transfer_s": t_x, "prefill_s": t_p, "prefill_share": share,
+            "prefill_devices": n_p}

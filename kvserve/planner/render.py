@@ -93,6 +93,19 @@ def render_plan(plan: dict[str, Any], console: Console | None = None) -> None:
                    ["seq len", "max concurrency", "with 8-bit KV"],
                    [[f"{r['seq_len']:,}", f"{r['max_concurrency']:,}", f"{r['max_concurrency_8bit']:,}"]
                     for r in q["rows"]]))
-    pd = plan["pd"]
-    c.print(_table(f"Prefill/decode disaggregation: {pd['verdict']}", ["check", "ok", "reason"],
-                   [[x["check"], "yes" if x["ok"] else "no", x["reason"]] for x in pd["checks"]]))
+    c.print(pd_table(plan["pd"]))
+
+
+def pd_table(pd: dict[str, Any]) -> Table:
+    """The PD go/no-go table; with a measured interconnect the caption gives its counts and source."""
+    ic = pd.get("interconnect") or {}
+    m = ic.get("measurement")
+    caption = ""
+    if ic.get("measured") and m:
+        counts = (f" = {m['bytes_received']:,.0f} B / {m['transfer_seconds']:.3f} s"
+                  if m.get("bytes_received") is not None and m.get("transfer_seconds") is not None else "")
+        pulls = f" over {m['num_transfers']:,.0f} pulls" if m.get("num_transfers") is not None else ""
+        caption = (f"interconnect measured: {m['bandwidth_bytes_per_s'] / GB:.3g} GB/s{counts}{pulls} "
+                   f"({m['source']}); --interconnect-gbs not used")
+    return _table(f"Prefill/decode disaggregation: {pd['verdict']}", ["check", "ok", "reason"],
+                  [[x["check"], "yes" if x["ok"] else "no", x["reason"]] for x in pd["checks"]], caption)
