@@ -281,11 +281,10 @@ class Scheduler:
         if self.connector is not None:
             self.connector.finish(request)  # a decode request that never got admitted: P frees its blocks
             if status == RequestStatus.FINISHED_LENGTH_CAPPED and self.connector.wants_pin(request):
-                # A prefill instance's prompt: its blocks stay for the decode instance (take_releases frees).
+                # A prefill instance's prompt: its KV is kept (copied out) for the decode instance.
                 request.kv_transfer_out = self.connector.pin(
                     request, bm.get_block_table(request.request_id), bm.request_block_hashes(request))
-        if request.kv_transfer_out is None:
-            bm.free(request.request_id)
+        bm.free(request.request_id)
         self._host_release.extend(self.host_tables.pop(request.request_id, []))
         self._finished_ids.append(request.request_id)
 
@@ -393,15 +392,15 @@ class Scheduler:
         self.block_manager.record_commits = publish
 
     def release_pins(self) -> None:
-        """Free the blocks pinned for decode instances that confirmed having them, or timed out."""
+        """Drop the KV kept for decode instances that confirmed having it, or timed out."""
         if self.connector is not None:
-            for request_id in self.connector.take_releases():
-                self.block_manager.free(request_id)
+            self.connector.take_releases()
 
     def set_connector(self, connector: ZmqConnector) -> None:
-        """Turn on PD disaggregation: a prefill request (``do_remote_decode``) that finishes by length keeps
-        its blocks pinned for a decode instance, and a decode request (``do_remote_prefill``) is admitted with
-        its prompt's KV pulled from the prefill instance (``disagg/connector.py``)."""
+        """Turn on PD disaggregation: a prefill request (``do_remote_decode``) that finishes by length has
+        its prompt's KV kept (copied out of its blocks) for a decode instance, and a decode request
+        (``do_remote_prefill``) is admitted with its prompt's KV pulled from the prefill instance
+        (``disagg/connector.py``)."""
         self.connector = connector
 
     def _external_kv(self, request: Request, hits: list[BlockId]) -> tuple[list[bytes], int] | None:

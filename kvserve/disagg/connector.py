@@ -3,14 +3,20 @@ pulls them and continues the request. Torch-free: the runner's export function t
 
     producer (P)                                         consumer (D)
     Scheduler._finish(length-capped, do_remote_decode)   Scheduler admission, request with do_remote_prefill:
-      └─ pin(): blocks stay allocated ──┐                  └─ lookup(): a pull runs in a thread (the request
+      └─ pin(): the blocks' KV copied out ──┐              └─ lookup(): a pull runs in a thread (the request
     server thread (ROUTER, kv_ip:kv_port) ◀── Pull ────────── is passed over, the batch goes on); when its
       export(block ids) ──── PullReply + payloads ──────────▶ payloads are in: fresh blocks, loaded before the
       ◀── Release (or kv_transfer_timeout_s) ─────────────── forward, num_computed = the prompt
     take_releases(): the scheduler frees the blocks        a failed pull: the prompt is recomputed (counted)
 
-Prefix-cache hits on D are not pulled (``first_block``). Pins are freed by the scheduler thread only; the
-server thread reads pinned blocks, which nothing writes while pinned (a pin being served is never expired).
+Prefix-cache hits on D are not pulled (``first_block``).
+
+A pin holds the prompt's KV as block payloads in host memory, copied by the engine thread when the request
+finishes (one gather per layer and one device -> host copy, as the transfer needs anyway); the device blocks
+are then released at once (they stay in P's prefix cache as free, evictable blocks), so a slow or absent
+decode instance never holds P's KV cache. The server thread only sends bytes: it never touches torch, whose
+per-op GIL hand-offs with a busy engine thread made a pull of ~20 blocks take ~50 ms when it gathered the
+blocks itself. A pin being served is never expired under the reader.
 """
 
 from __future__ import annotations
@@ -69,7 +75,8 @@ class TransferSnapshot:
 
 @dataclass
 class _Pin:
-    block_ids: list[int]
+    payloads: list[bytes]  # one per block of the prompt (the last may be partial)
+    checksums: list[int]
     block_hashes: list[BlockHash]
     num_tokens: int
     deadline: float
@@ -151,10 +158,13 @@ class ZmqConnector:
         return self.config.is_producer and isinstance(request.kv_transfer, RemoteDecode)
 
     def pin(self, request: Request, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> RemotePrefill:
-        """Keep ``block_ids`` (the request's table, covering its prompt) until released or expired; returns
-        the parameters a decode instance needs (set as the request's ``kv_transfer_out``)."""
+        """Copy the KV of ``block_ids`` (the request's table, covering its prompt) and keep it until released
+        or expired (the caller frees the blocks); returns the parameters a decode instance needs (set as the
+        request's ``kv_transfer_out``). Engine thread: the forward that wrote these blocks has run."""
         num_tokens = request.num_prompt_tokens
-        pin = _Pin(list(block_ids), list(block_hashes), num_tokens,
+        ids = list(block_ids)[:-(-num_tokens // self.block_size)]
+        payloads = self._export(ids)
+        pin = _Pin(payloads, [checksum(p) for p in payloads], list(block_hashes), num_tokens,
                    time.monotonic() + self.config.kv_transfer_timeout_s)
         with self._lock:
             self._pins[request.request_id] = pin
@@ -162,7 +172,7 @@ class ZmqConnector:
                              list(request.output_token_ids))
 
     def take_releases(self) -> list[str]:
-        """Request ids whose pinned blocks the scheduler frees now: confirmed by D, or expired."""
+        """Drop the pins confirmed by D, or expired; returns their request ids."""
         out: list[str] = []
         while True:
             try:
@@ -192,8 +202,9 @@ class ZmqConnector:
 
     @property
     def num_pinned_blocks(self) -> int:
+        """Blocks of KV held (in host memory) for decode instances to pull."""
         with self._lock:
-            return sum(len(p.block_ids) for p in self._pins.values())
+            return sum(len(p.payloads) for p in self._pins.values())
 
     # ---- producer: server thread -----------------------------------------------------------------
     def _serve(self, sock: zmq.Socket[bytes]) -> None:
@@ -237,13 +248,12 @@ class ZmqConnector:
                 time.sleep(self._serve_delay_s)
             if msg.fingerprint != self.fingerprint:
                 return [ENCODER.encode(PullReply("fingerprint"))]
-            if not 0 <= msg.first_block <= len(pin.block_ids):
+            if not 0 <= msg.first_block <= len(pin.payloads):
                 return [ENCODER.encode(PullReply("range"))]
-            ids = pin.block_ids[msg.first_block:]
-            payloads = self._export(ids) if ids else []
+            payloads = pin.payloads[msg.first_block:]
             reply = PullReply("ok", pin.num_tokens, msg.first_block, [bytes(h) for h in
                               pin.block_hashes[msg.first_block:]], self.dtype, self.block_shape,
-                              self.block_nbytes, CHECKSUM_ALGO, [checksum(p) for p in payloads])
+                              self.block_nbytes, CHECKSUM_ALGO, pin.checksums[msg.first_block:])
             with self._lock:
                 self._bytes_out += sum(len(p) for p in payloads)
                 self._blocks_out += len(payloads)
@@ -339,7 +349,7 @@ class ZmqConnector:
     def snapshot(self) -> TransferSnapshot:
         with self._lock:
             seconds, self._seconds = self._seconds, []
-            pinned = sum(len(p.block_ids) for p in self._pins.values())
+            pinned = sum(len(p.payloads) for p in self._pins.values())
             return TransferSnapshot(self._n_pulls, self._bytes_in, self._bytes_out, self._blocks_out,
                                     dict(self._failures), self._recomputed, pinned, self._expired, seconds)
 

@@ -148,8 +148,8 @@ def test_pins_expire_when_nobody_pulls(model: Path) -> None:
                      _greedy(max_tokens=1, kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)[0]
     assert out.kv_transfer_params is not None
     c = p.engine.connector
-    assert c is not None and c.num_pinned_blocks == 4
-    assert p.engine.block_manager.usage > 0
+    assert c is not None and c.num_pinned_blocks == 4  # the prompt's KV, copied out
+    assert p.engine.block_manager.usage == 0.0  # the device blocks are free at once (cached, evictable)
     time.sleep(0.3)
     p.engine.scheduler.schedule()
     assert c.num_pinned_blocks == 0 and c.snapshot().pins_expired == 1 and p.engine.block_manager.usage == 0.0
