@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -86,8 +86,7 @@ class _Pin:
 @dataclass
 class _PullState:
     first_block: int
-    future: Future[tuple[PullReply, list[bytes]]] | None
-    started: float = field(default_factory=time.perf_counter)
+    future: Future[tuple[PullReply, list[bytes], float]] | None
     payloads: list[bytes] | None = None  # received and checked
     failed: bool = False
 
@@ -289,7 +288,7 @@ class ZmqConnector:
             if not st.future.done():
                 return None
             try:
-                reply, payloads = st.future.result()
+                reply, payloads, seconds = st.future.result()
             except TransferError as e:
                 return self._failed(st, rid, e.kind, str(e))
             except Exception as e:  # noqa: BLE001 - any transport fault means: recompute
@@ -302,7 +301,7 @@ class ZmqConnector:
             with self._lock:
                 self._n_pulls += 1
                 self._bytes_in += sum(len(p) for p in payloads)
-                self._seconds.append(time.perf_counter() - st.started)
+                self._seconds.append(seconds)
             st.payloads, st.future = payloads, None
         if first_block < st.first_block:  # the local hits shrank meanwhile: pull again from there
             self._start_pull(request, params, first_block)
@@ -310,9 +309,15 @@ class ZmqConnector:
         return st.payloads[first_block - st.first_block:], params.num_prompt_tokens
 
     def _start_pull(self, request: Request, params: RemotePrefill, first_block: int) -> None:
-        fut = self._pool.submit(pull_blocks, self._ctx, params, first_block, self.fingerprint,
-                                self.config.kv_transfer_timeout_s)
-        self._pulls[request.request_id] = _PullState(first_block, fut)
+        self._pulls[request.request_id] = _PullState(first_block, self._pool.submit(self._pull, params, first_block))
+
+    def _pull(self, params: RemotePrefill, first_block: int) -> tuple[PullReply, list[bytes], float]:
+        """One pull on a pool thread; the seconds are the transfer's own (asked to checked), not the wait for
+        the engine's next step that picks the result up."""
+        t0 = time.perf_counter()
+        reply, payloads = pull_blocks(self._ctx, params, first_block, self.fingerprint,
+                                      self.config.kv_transfer_timeout_s)
+        return reply, payloads, time.perf_counter() - t0
 
     def _failed(self, st: _PullState, rid: str, kind: str, message: str) -> tuple[list[bytes], int]:
         logger.warning("kv transfer of %s failed (%s); recomputing its prompt", rid, message)
