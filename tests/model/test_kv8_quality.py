@@ -1,0 +1,102 @@
+"""SmolLM2-135M-Instruct over an 8-bit KV cache (int8, fp8) against the same fp32 model over its fp32 cache.
+
+vLLM's ``check_logprobs_close``, teacher-forced as tests/model/test_bf16_logprobs.py does it: the 8-bit
+engine generates greedily with ``logprobs=5``; the fp32 engine scores the same tokens (one prompt-logprobs
+pass over prompt + generated tokens), so positions after a divergence stay comparable. At every position
+the 8-bit token equals the fp32 argmax, or each side's token is in the other's top-5. Free-running, the
+8-bit greedy tokens agree with the fp32 greedy tokens for >= 90 % of the tokens up to the first divergence,
+on average over the 8 reference prompts (tests/model/test_hf_equivalence.py). Also: the block counts of
+both 8-bit formats for a budget, exactly, against bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_hf_equivalence import CHAT_PROMPTS, TEXT_PROMPTS
+
+from kvserve import LLM, SamplingParams
+from kvserve.outputs import RequestOutput
+from kvserve.worker.kv_cache import GiB
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+NEW = 32
+TOP_K = 5
+
+
+@pytest.fixture(scope="module")
+def fp32() -> LLM:
+    return LLM(MODEL, kv_cache_memory=0.05, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(fp32: LLM) -> list[list[int]]:
+    tok = fp32.engine.tokenizer
+    assert tok is not None
+    return [tok.encode(p) for p in TEXT_PROMPTS] + [tok.apply_chat_template(m) for m in CHAT_PROMPTS]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[RequestOutput]:
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP_K)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def teacher_forced(llm: LLM, prompts: list[list[int]], gens: list[list[int]]) -> list[list[dict[int, Any]]]:
+    """``llm``'s prompt logprobs over ``prompt + gen``, at the generated positions: per prompt, per position
+    ``j`` a dict token -> Logprob holding ``gen[j]`` and the top-5 (``rank``: 1 = argmax)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP_K)
+    outs = llm.generate([{"prompt_token_ids": p + g} for p, g in zip(prompts, gens, strict=True)], sp, use_tqdm=False)
+    rows = []
+    for p, g, o in zip(prompts, gens, outs, strict=True):
+        assert o.prompt_logprobs is not None
+        rows.append([o.prompt_logprobs[len(p) + j] for j in range(len(g))])
+    return rows
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_8bit_cache_is_logprobs_close_to_fp32(fp32: LLM, prompt_ids: list[list[int]], kv: str) -> None:
+    llm = LLM(MODEL, kv_cache_memory=0.05, dtype="float32", kv_cache_dtype=kv)
+    assert llm.engine.runner.native_decode == fp32.engine.runner.native_decode
+    outs = _greedy(llm, prompt_ids)
+    gens = [o.outputs[0].token_ids for o in outs]
+    ref_gens = [o.outputs[0].token_ids for o in _greedy(fp32, prompt_ids)]
+    forced = teacher_forced(fp32, prompt_ids, gens)
+    failures, diffs = [], []
+    for n, (o, rows) in enumerate(zip(outs, forced, strict=True)):
+        lps = o.outputs[0].logprobs
+        assert lps is not None
+        for j, (t, lp, row) in enumerate(zip(gens[n], lps, rows, strict=True)):
+            assert lp is not None and lp.token_id == t
+            diffs.append(abs(lp.logprob - row[t].logprob))
+            h = next(tok for tok, x in row.items() if x.rank == 1)
+            if t != h and not (row[t].rank <= TOP_K and h in dict(lp.top)):
+                failures.append(f"prompt {n} position {j}: {kv} token {t} (fp32 rank {row[t].rank}), fp32 argmax {h}")
+    agreement = [first_divergence(g, r) / NEW for g, r in zip(gens, ref_gens, strict=True)]
+    mean_diff = sum(diffs) / len(diffs)
+    print(f"\n{kv}: greedy agreement up to the first divergence {[round(a, 2) for a in agreement]}, mean "
+          f"{sum(agreement) / len(agreement):.3f}; teacher-forced |logprob difference| mean {mean_diff:.4f} nats")
+    assert not failures, "top-5 containment violated:\n" + "\n".join(failures)
+    assert sum(agreement) / len(agreement) >= 0.9, agreement
+    assert mean_diff < 0.05
+
+
+def test_8bit_block_counts_against_bf16() -> None:
+    """SmolLM2 (30 layers, 3 KV heads x 64): bf16 blocks of 16 tokens are 368,640 bytes; 8-bit blocks
+    16 x 2 x 30 x 3 x (64 + 4) = 195,840 bytes (the scales included), so 0.25 GiB holds 728 vs 1,370 blocks."""
+    counts = {}
+    for kv in ("bfloat16", "int8", "fp8"):
+        llm = LLM(MODEL, kv_cache_memory=0.25, dtype="float32", kv_cache_dtype=kv)
+        counts[kv] = (llm.engine.num_blocks, llm.engine.kv_block_bytes())
+        del llm
+    budget = int(0.25 * GiB)
+    assert counts["bfloat16"] == (budget // 368_640, 368_640) == (728, 368_640)
+    assert counts["int8"] == counts["fp8"] == (budget // 195_840, 195_840) == (1370, 195_840)
+    assert torch.finfo(torch.float8_e4m3fn).max == 448.0  # the fp8 scale's divisor
