@@ -297,8 +297,17 @@ static inline vf vexp2(vf t) {
 #define ROW_FP8(dst, src, D)                                                                                 \
     do {                                                                                                    \
         const float s_ = kv8_scale(src, D);                                                                 \
-        for (int64_t d = 0; d < (D); d++) (dst)[d] = fp8_e4m3_widen((src)[d]) * s_;                         \
+        for (int64_t d = 0; d < (D); d++) (dst)[d] = fp8_table[(src)[d]] * s_;                              \
     } while (0)
+
+/* e4m3fn code -> float32, all 256 (1 KiB, L1): a load per element beats the branch-free bit manipulation of
+ * fp8_e4m3_widen in this copy loop (measured, a 1,000-token prompt, 1 thread: 3.9x -> 1.5x the time over a
+ * bf16 cache). */
+static float fp8_table[256];
+
+__attribute__((constructor)) static void fill_fp8_table(void) {
+    for (int b = 0; b < 256; b++) fp8_table[b] = fp8_e4m3_widen((uint8_t)b);
+}
 
 /* scratch floats per thread of the portable item: qt, ot [D][R]; st [TK][R]; kt, vt [TK][D] */
 #define PORTABLE_SCRATCH(D) ((size_t)(2 * (D) * R + TK * R + 2 * TK * (D)))
