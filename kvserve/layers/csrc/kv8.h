@@ -80,10 +80,10 @@ static inline __attribute__((always_inline)) __m512 kv8_load16_int8(const void *
 }
 
 static inline __attribute__((always_inline)) __m512 kv8_load16_fp8(const void *p) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
-    return _mm512_cvtph_ps(h);
+    /* t = code << 7: magnitude bits at 13..7 (the half's exponent low 4 bits and top 3 mantissa bits), the sign
+     * at bit 14; adding bit 14 to itself carries the sign to bit 15 */
+    const __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return _mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
 }
 #endif
 

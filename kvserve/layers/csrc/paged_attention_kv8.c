@@ -135,15 +135,15 @@ static inline __attribute__((always_inline)) __m512 load16_kv8(const uint8_t *p,
 }
 
 /* Keys [k0, k0 + len) of sequence s, all heads: o [H*G][D] unnormalised output, m / l [H*G] max and sum.
- * Scratch: sc [H*G][PART] scores, ks / vs [H][PART] scales (times the softmax scale for K, and the fp8
- * unit), kt [KEY_TILE][D] one head's K tile widened, offs [PART] int64 row offsets. D = 16 * DV, DV 4 or 8,
- * fp8: compile-time after inlining.
+ * Scratch: sc [H*G][PART] scores, kt [KEY_TILE][D] one head's K tile widened, offs [PART] int64 row
+ * offsets. D = 16 * DV, DV 4 or 8, fp8: compile-time after inlining.
  * A tile's K codes of one head are widened once into kt (4-8 KiB, L1) and serve the head's `group` query
  * heads from there: widening them again per query head cost up to 1.5x the bf16 kernel's time (fp8, group
- * 6); V codes are widened in registers, once per key and chunk of 3 query heads. */
+ * 6); V codes are widened in registers, once per key and chunk of 3 query heads. Each row's scale is read
+ * with its codes (K: into the tile's scale vector; V: into p), so the cache is streamed once. */
 static inline __attribute__((always_inline)) void part_kv8(const job8_t *j, int64_t s, int64_t k0, int64_t len,
-                                                           float *o, float *m, float *l, float *sc, float *ks,
-                                                           float *vs, float *kt, int64_t *offs, int fp8, int DV) {
+                                                           float *o, float *m, float *l, float *sc, float *kt,
+                                                           int64_t *offs, int fp8, int DV) {
     const int64_t G = j->group, H = j->num_kv_heads, BS = j->block_size, D = 16 * DV, W = D + KV8_SCALE_BYTES;
     const int64_t row = H * W, HG = H * G;
     const int64_t *table = j->block_tables + s * j->max_blocks;
@@ -153,11 +153,6 @@ static inline __attribute__((always_inline)) void part_kv8(const job8_t *j, int6
         const int64_t base = table[b] * BS;
         for (; i < BS && t < len; i++, t++) offs[t] = (base + i) * row;
     }
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t t = 0; t < len; t++) {
-            ks[h * PART + t] = kv8_scale(j->k_cache + offs[t] + h * W, D) * unit * j->scale;
-            vs[h * PART + t] = kv8_scale(j->v_cache + offs[t] + h * W, D) * unit;
-        }
     __m512 mx[MAX_HG];
     for (int64_t x = 0; x < HG; x++) mx[x] = _mm512_set1_ps(-INFINITY);
     const int64_t lines = (row + 63) / 64;
@@ -171,11 +166,13 @@ static inline __attribute__((always_inline)) void part_kv8(const job8_t *j, int6
         for (int64_t h = 0; h < H; h++) {
             for (int64_t c = h * nlines / H; c < (h + 1) * nlines / H; c++)
                 _mm_prefetch((const char *)nb + offs[n0 + c / lines] + 64 * (c % lines), _MM_HINT_T0);
-            const __m512 kscale = _mm512_maskz_loadu_ps(live, ks + h * PART + t0);
+            float ksc[KEY_TILE];
             for (int i = 0; i < n; i++) {
                 const uint8_t *k = j->k_cache + offs[t0 + i] + h * W;
+                ksc[i] = kv8_scale(k, D) * unit * j->scale;
                 for (int v = 0; v < DV; v++) _mm512_store_ps(kt + i * D + 16 * v, load16_kv8(k + 16 * v, fp8));
             }
+            const __m512 kscale = _mm512_maskz_loadu_ps(live, ksc);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t x = h * G + g;
                 __m512 qv[8], acc[KEY_TILE];
@@ -191,11 +188,10 @@ static inline __attribute__((always_inline)) void part_kv8(const job8_t *j, int6
     }
     for (int64_t x = 0; x < HG; x++) {
         float *restrict p = sc + x * PART;
-        const float *restrict vsh = vs + (x / G) * PART;
         const float mm = _mm512_reduce_max_ps(mx[x]);
         float sum = 0.f;
         _Pragma("omp simd reduction(+:sum)")
-        for (int64_t t = 0; t < len; t++) { const float e = expf(p[t] - mm); sum += e; p[t] = e * vsh[t]; }
+        for (int64_t t = 0; t < len; t++) { p[t] = expf(p[t] - mm); sum += p[t]; }
         m[x] = mm;
         l[x] = sum;
     }
@@ -216,10 +212,11 @@ static inline __attribute__((always_inline)) void part_kv8(const job8_t *j, int6
                     for (int v = 0; v < DV; v++) acc[g][v] = _mm512_loadu_ps(og + g * D + 16 * v);
                 for (int i = 0; i < n; i++) {
                     const uint8_t *vr = j->v_cache + offs[t0 + i] + h * W;
+                    const float vsi = kv8_scale(vr, D) * unit;
                     __m512 vv[8];
                     for (int v = 0; v < DV; v++) vv[v] = load16_kv8(vr + 16 * v, fp8);
                     for (int64_t g = 0; g < gc; g++) {
-                        const __m512 pg = _mm512_set1_ps(sc[(h * G + g0 + g) * PART + t0 + i]);
+                        const __m512 pg = _mm512_set1_ps(sc[(h * G + g0 + g) * PART + t0 + i] * vsi);
                         for (int v = 0; v < DV; v++) acc[g][v] = _mm512_fmadd_ps(pg, vv[v], acc[g][v]);
                     }
                 }
@@ -237,10 +234,10 @@ static int decode_avx512(const job8_t *j, int fmt, int nthreads) {
     first[0] = 0;
     for (int64_t s = 0; s < B; s++) first[s + 1] = first[s] + (j->seq_lens[s] + PART - 1) / PART;
     const int64_t items = first[B];
-    /* per item: o [HG][D], m [HG], l [HG]; per thread: sc [HG][PART], ks, vs [H][PART], kt [KEY_TILE][D] floats,
-     * offs [PART] int64 (and slack to align kt and offs to 64 bytes) */
+    /* per item: o [HG][D], m [HG], l [HG]; per thread: sc [HG][PART], kt [KEY_TILE][D] floats, offs [PART]
+     * int64 (and slack to align kt and offs to 64 bytes) */
     const size_t per_item = (size_t)(HG * (D + 2));
-    const size_t per_thread = (size_t)((HG + 2 * H) * PART + KEY_TILE * D + 2 * PART + 48);
+    const size_t per_thread = (size_t)(HG * PART + KEY_TILE * D + 2 * PART + 48);
     int nt = nthreads > items ? (int)items : nthreads;
     if (nt < 1) nt = 1;
     float *part = (float *)malloc(sizeof(float) * (per_item * (size_t)items + per_thread * (size_t)nt));
@@ -256,8 +253,7 @@ static int decode_avx512(const job8_t *j, int fmt, int nthreads) {
 #else
         float *sc = thread_scratch;
 #endif
-        float *ks = sc + HG * PART, *vs = ks + H * PART;
-        float *kt = (float *)(((uintptr_t)(vs + H * PART) + 63) & ~(uintptr_t)63);
+        float *kt = (float *)(((uintptr_t)(sc + HG * PART) + 63) & ~(uintptr_t)63);
         int64_t *offs = (int64_t *)(((uintptr_t)(kt + KEY_TILE * D) + 63) & ~(uintptr_t)63);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
@@ -265,8 +261,8 @@ static int decode_avx512(const job8_t *j, int fmt, int nthreads) {
             const int64_t len = j->seq_lens[s] - k0 < PART ? j->seq_lens[s] - k0 : PART;
             float *o = part + per_item * (size_t)it, *m = o + HG * D, *l = m + HG;
             const int fp8 = fmt == KV8_FP8;
-            if (D == 64) { if (fp8) part_kv8(j, s, k0, len, o, m, l, sc, ks, vs, kt, offs, 1, 4); else part_kv8(j, s, k0, len, o, m, l, sc, ks, vs, kt, offs, 0, 4); }
-            else { if (fp8) part_kv8(j, s, k0, len, o, m, l, sc, ks, vs, kt, offs, 1, 8); else part_kv8(j, s, k0, len, o, m, l, sc, ks, vs, kt, offs, 0, 8); }
+            if (D == 64) { if (fp8) part_kv8(j, s, k0, len, o, m, l, sc, kt, offs, 1, 4); else part_kv8(j, s, k0, len, o, m, l, sc, kt, offs, 0, 4); }
+            else { if (fp8) part_kv8(j, s, k0, len, o, m, l, sc, kt, offs, 1, 8); else part_kv8(j, s, k0, len, o, m, l, sc, kt, offs, 0, 8); }
         }
         /* merge each sequence's partitions (exact: a rescaled sum of the partial softmaxes) */
 #pragma omp for schedule(static)
