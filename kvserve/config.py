@@ -12,7 +12,7 @@ from kvserve.kv_offload.config import KVOffloadConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -29,7 +29,9 @@ class EngineConfig:
         dtype: weight and activation dtype, ``float32`` | ``bfloat16`` | ``float16`` | ``auto``
             (``auto``: bfloat16 on CUDA and on CPUs with native bf16 dot products, ``avx512_bf16`` or
             ``amx_bf16``; float32 on other CPUs).
-        kv_cache_dtype: ``auto`` (the model dtype) | ``float32`` | ``bfloat16``.
+        kv_cache_dtype: ``auto`` (the model dtype) | ``float32`` | ``bfloat16`` | ``int8`` | ``fp8`` (=
+            ``fp8_e4m3``): the 8-bit formats store a float32 scale per token and KV head with the codes
+            (``layers/kv_quant.py``); the block count of a budget nearly doubles against bfloat16.
         device: ``auto`` | ``cpu`` | ``cuda`` (``auto``: CUDA when present).
         max_model_len: longest sequence (prompt + output) in tokens; None: the model's own limit.
         block_size: tokens per KV block.
@@ -152,7 +154,8 @@ class EngineConfig:
         g.add_argument("--model", default=d.model, help="catalog name, HF folder or .gguf path")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
-                       help="KV cache dtype; auto: the model dtype")
+                       help="KV cache dtype; auto: the model dtype; int8 / fp8 (= fp8_e4m3): 8 bits with a "
+                            "float32 scale per token and KV head")
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--block-size", type=int, default=d.block_size)

@@ -45,6 +45,22 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
+KV8_SCALE_BYTES = 4  # a float32 scale per token and KV head beside its 8-bit codes (kvserve/layers/kv_quant.py)
+
+
+def kv_bytes_per_token_8bit(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes one token occupies in kvserve's 8-bit (int8 / fp8) KV cache, scales included:
+    ``2 × num_layers × num_kv_heads × (head_dim + 4)``.
+
+    SmolLM2-135M: 2 × 30 × 3 × 68 = 12,240 bytes (bf16: 23,040; the block count grows 1.88×, 1.94× at
+    head_dim 128).
+
+    Raises:
+        ValueError: any argument is not positive.
+    """
+    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim + KV8_SCALE_BYTES, 1)
+
+
 def kv_bytes(kv_bytes_per_token: int, seq_len: int) -> int:
     """KV cache bytes of one request of ``seq_len`` tokens: ``kv_bytes_per_token × seq_len``.
 

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -34,6 +34,7 @@ from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.kv_offload.config import build_tiers
 from kvserve.kv_offload.manager import OffloadManager
 from kvserve.kv_offload.tier import BlockMeta
+from kvserve.layers.kv_quant import KV8_DTYPES
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_weights
@@ -151,8 +152,14 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """``--kv-cache-dtype``: ``auto`` follows the model dtype; ``float32`` / ``bfloat16`` as named."""
-    return model_dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+    """``--kv-cache-dtype``: ``auto`` follows the model dtype; ``float32`` / ``bfloat16`` as named; ``int8`` ->
+    ``torch.int8``, ``fp8`` / ``fp8_e4m3`` -> ``torch.float8_e4m3fn`` (the logical dtypes of the 8-bit caches,
+    ``layers/kv_quant.py``)."""
+    if config.kv_cache_dtype == "auto":
+        return model_dtype
+    if config.kv_cache_dtype in KV8_DTYPES:
+        return KV8_DTYPES[config.kv_cache_dtype]
+    return cast(torch.dtype, getattr(torch, config.kv_cache_dtype))
 
 
 def check_num_logprobs(asked: int | None, limit: int, vocab_size: int, param: str) -> None:

@@ -11,6 +11,11 @@ A step's tokens are laid out decodes first, then prefill chunks::
     prefill group -> one batched SDPA over padded queries [P, max_q]: causal when no chunk has a cached
                      prefix, else with a causal-with-offset mask
 
+8-bit caches (``int8`` / ``fp8``, ``kv_quant.py``) hold rows of codes plus a float32 scale: ``write_kv``
+quantizes, the torch path dequantizes only the blocks it gathers, and the native kernels take the rows as
+they are (dequantizing in registers); where the library lacks an 8-bit variant (``cpu_kernels.kv8_features``)
+the call falls back to the torch path.
+
 On CPU with the compiled kernels (float32 / bfloat16 activations and cache), every prefill chunk of the
 step instead goes to one call of ``paged_prefill_attention`` (``csrc/prefill_attention.c``), which reads
 K/V in place from the cache, causal with each chunk's offset, flash-attention style: ``native_prefill``
@@ -30,7 +35,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve.layers import cpu_kernels
 from kvserve.layers.cpu_kernels import native_available, paged_decode_attention, paged_prefill_attention
+from kvserve.layers.kv_quant import dequantize, is_kv8, write_kv8
 
 MAX_DECODE_BUCKETS = 4
 MIN_DECODE_BUCKET = 8  # requests; smaller buckets cost more in per-call overhead than padding saves
@@ -110,19 +117,26 @@ class AttentionMetadata:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter k, v ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots ``slot_mapping``."""
+    """Scatter k, v ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots ``slot_mapping`` (quantized
+    for an 8-bit cache)."""
+    if is_kv8(k_cache.dtype):
+        write_kv8(k, v, k_cache, v_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """``[B, max_blocks]`` block ids -> K or V ``[B, num_kv_heads, max_blocks * block_size, head_dim]``."""
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, max_blocks]`` block ids -> K or V ``[B, num_kv_heads, max_blocks * block_size, head_dim]`` in
+    ``dtype`` (an 8-bit cache: only these blocks are dequantized)."""
     b, nb = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
+    _, block_size, num_kv_heads, width = cache.shape
     # index_select on the flattened table is ~2x faster than advanced indexing cache[block_tables] on CPU.
     blocks = cache.index_select(0, block_tables.reshape(-1))
-    return blocks.view(b, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    # (``.to`` is a no-op when the cache has this dtype)
+    blocks = dequantize(blocks, dtype) if is_kv8(cache.dtype) else blocks.to(dtype)
+    return blocks.view(b, nb * block_size, num_kv_heads, blocks.shape[-1]).transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -131,7 +145,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` (decode tokens first).
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, or for an 8-bit cache
+            ``[..., head_dim + 4]`` int8 / uint8 rows (``kv_quant.py``).
     Returns:
         ``[num_tokens, num_heads * head_dim]``.
     """
@@ -143,11 +158,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.native_decode is not None and d:
         block_tables, seq_lens = meta.native_decode
         qd = q[:d].view(d, num_kv_heads, group, head_dim)
-        o = paged_decode_attention(qd, k_cache, v_cache, block_tables, seq_lens, scale)
+        if is_kv8(k_cache.dtype) and "decode" not in cpu_kernels.kv8_features():
+            o = _decode_reference(qd, k_cache, v_cache, block_tables, seq_lens, scale)
+        else:
+            o = paged_decode_attention(qd, k_cache, v_cache, block_tables, seq_lens, scale)
         out[:d] = o.view(d, num_heads * head_dim)
     for start, end, block_tables, mask in meta.decode_buckets:
-        k = _gather(k_cache, block_tables).to(q.dtype)  # (a no-op when the cache has q's dtype)
-        v = _gather(v_cache, block_tables).to(q.dtype)
+        k = _gather(k_cache, block_tables, q.dtype)
+        v = _gather(v_cache, block_tables, q.dtype)
         qd = q[start:end].view(end - start, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.reshape(end - start, num_heads * head_dim)
@@ -163,8 +181,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             _fresh_prompts(q, k_cache, v_cache, grp, scale, out)
             continue
         p, max_q = grp.block_tables.shape[0], grp.max_q
-        k = _gather(k_cache, grp.block_tables).to(q.dtype)  # [P, kv_heads, L, hd]
-        v = _gather(v_cache, grp.block_tables).to(q.dtype)
+        k = _gather(k_cache, grp.block_tables, q.dtype)  # [P, kv_heads, L, hd]
+        v = _gather(v_cache, grp.block_tables, q.dtype)
         qp = q.new_zeros(p * max_q, num_heads, head_dim)
         qp[grp.pad_index] = q[grp.start:grp.end]
         qp = qp.view(p, max_q, num_heads, head_dim).transpose(1, 2)  # [P, num_heads, max_q, hd]
@@ -186,17 +204,33 @@ def _fresh_prompts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     for i, (start, end) in enumerate(grp.bounds):
         n = end - start
         table = grp.block_tables[i:i + 1, :-(-n // block_size)]
-        k = _gather(k_cache, table)[:, :, :n].to(q.dtype)  # [1, kv_heads, n, hd]
-        v = _gather(v_cache, table)[:, :, :n].to(q.dtype)
+        k = _gather(k_cache, table, q.dtype)[:, :, :n]  # [1, kv_heads, n, hd]
+        v = _gather(v_cache, table, q.dtype)[:, :, :n]
         qi = q[start:end].view(1, n, num_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
         out[start:end] = o.transpose(1, 2).reshape(n, num_heads * head_dim)
 
 
+def _decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch fallback for native decode metadata the kernel cannot take (an 8-bit cache without its native
+    variant): one SDPA over the gathered (dequantized) blocks, keys past each sequence's length masked.
+    q ``[D, num_kv_heads, group, head_dim]`` -> the same shape."""
+    block_size = k_cache.shape[1]
+    k = _gather(k_cache, block_tables, q.dtype)  # [D, kv_heads, max_blocks * block_size, hd]
+    v = _gather(v_cache, block_tables, q.dtype)
+    keys = torch.arange(block_tables.shape[1] * block_size, device=q.device)
+    mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]  # [D, 1, 1, L]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def native_prefill_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """True when ``paged_prefill_attention`` takes these tensors: CPU, float32 / bfloat16, kernels built."""
+    """True when ``paged_prefill_attention`` takes these tensors: CPU, float32 / bfloat16 queries over a float32 /
+    bfloat16 cache, or over an 8-bit cache when the library has the 8-bit prefill variant; kernels built."""
     ok = (torch.float32, torch.bfloat16)
-    return q.device.type == "cpu" and q.dtype in ok and k_cache.dtype in ok and native_available()
+    if not (q.device.type == "cpu" and q.dtype in ok and native_available()):
+        return False
+    return k_cache.dtype in ok or (is_kv8(k_cache.dtype) and "prefill" in cpu_kernels.kv8_features())
 
 
 def _prefill_per_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, npf: NativePrefill,
@@ -208,8 +242,8 @@ def _prefill_per_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         start = npf.start + qs
         kv_len = c + n
         table = npf.block_tables[i:i + 1, :-(-kv_len // block_size)]
-        k = _gather(k_cache, table)[:, :, :kv_len].to(q.dtype)  # [1, kv_heads, kv_len, hd]
-        v = _gather(v_cache, table)[:, :, :kv_len].to(q.dtype)
+        k = _gather(k_cache, table, q.dtype)[:, :, :kv_len]  # [1, kv_heads, kv_len, hd]
+        v = _gather(v_cache, table, q.dtype)[:, :, :kv_len]
         qi = q[start:start + n].view(1, n, num_heads, head_dim).transpose(1, 2)
         mask = torch.arange(kv_len, device=q.device)[None, :] <= torch.arange(n, device=q.device)[:, None] + c
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -1,12 +1,15 @@
 """Native CPU kernels, compiled on first use with the system C compiler and called through ctypes.
 
-Five sources under ``csrc/`` build one shared library:
+Six sources under ``csrc/`` build one shared library:
 
 * ``small_gemm.c``: the linear layers and the LM head at small M (decode): weights streamed at the memory
   bandwidth, float32 or bfloat16 weights, AVX2/AVX-512 FMA or AVX512-BF16 dot products;
 * ``paged_attention.c``: decode attention reading K/V in place from the paged cache (float32 or bfloat16);
+* ``paged_attention_kv8.c``: the same over an 8-bit cache (int8 / fp8 codes with per-row scales, ``kv8.h``),
+  dequantizing in registers;
 * ``prefill_attention.c``: prefill attention (fresh prompts and chunks continuing a cached prefix) over
   the paged cache in place, flash-attention style; AVX512-BF16 dot products on bf16 inputs where available;
+  8-bit caches widened tile by tile into L1;
 * ``fused_ops.c``: RMSNorm + residual add, SiLU·mul, rotary + KV-cache write, one call each;
 * ``decode_step.c``: all layers of a pure-decode step in one call, chaining the kernels above (no Python
   between kernels: at batch 1 the gaps cost ~30 % of the step).
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from kvserve.layers.kv_quant import SCALE_BYTES, format_code
 from kvserve.models.catalog import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -44,6 +48,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = {  # file -> its own flags (fast-math only where reductions must reorder to vectorize)
     "small_gemm.c": ["-ffp-contract=fast"],
     "paged_attention.c": ["-ffast-math", "-fno-finite-math-only"],
+    "paged_attention_kv8.c": ["-ffast-math", "-fno-finite-math-only"],
     "fused_ops.c": ["-ffp-contract=off"],
     "decode_step.c": [],
     "prefill_attention.c": ["-ffp-contract=fast"],  # (no fast-math: its exp rounds with the 1.5*2^23 trick)
@@ -57,11 +62,16 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "small_gemm_features": (ctypes.c_int, []),
     "paged_decode_attention": (ctypes.c_int, [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR] + [_I64] * 6
                                + [ctypes.c_float, _I64]),
+    "paged_decode_attention_kv8": (ctypes.c_int, [_PTR, _PTR, _PTR, ctypes.c_int, _PTR, _PTR, _PTR] + [_I64] * 6
+                                   + [ctypes.c_float, _I64]),
+    "kv8_attention_features": (ctypes.c_int, []),
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, ctypes.c_int]),
     "rope_write_kv": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]),
+    "rope_write_kv8": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                                      ctypes.c_int, ctypes.c_int]),
     "decode_step": (ctypes.c_int, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
-                    + [_I64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, _I64]),
+                    + [_I64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64]),
     "paged_prefill_attention": (ctypes.c_int, [_PTR, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR,
                                                _PTR, _PTR, _I64, _I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64]),
     "prefill_attention_features": (ctypes.c_int, []),
@@ -180,6 +190,20 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out
 
 
+def kv8_features(lib: ctypes.CDLL | None = None) -> set[str]:
+    """8-bit KV attention variants compiled in: ``"decode"`` (``paged_attention_kv8.c``), ``"prefill"``
+    (``prefill_attention.c``'s int8 / fp8 tiles), ``"decode_avx512"`` (its AVX-512 path); empty when the
+    library is unavailable. Where a variant is missing, ``attention.py`` takes the torch path for it."""
+    lib = lib or _library()
+    return set() if lib is None else set(_kv8_feature_names(lib))
+
+
+@cache
+def _kv8_feature_names(lib: ctypes.CDLL) -> frozenset[str]:
+    f = lib.kv8_attention_features()
+    return frozenset(name for bit, name in ((1, "decode"), (2, "prefill"), (4, "decode_avx512")) if f & bit)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -187,7 +211,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Args:
         q: ``[num_seqs, num_kv_heads, group, head_dim]`` (any float dtype; computed in float32), on CPU.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, or 8-bit
+            ``[..., head_dim + 4]`` int8 / uint8 (fp8) rows of codes and a float32 scale (``kv_quant.py``;
+            dequantized in registers), contiguous.
         block_tables: ``[num_seqs, max_blocks]`` int64 (entries past a sequence's length are ignored).
         seq_lens: ``[num_seqs]`` int64, keys attended per sequence (>= 1).
         lib: a library from ``build_library`` (tests); default: the process's library.
@@ -202,8 +228,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens = seq_lens.contiguous()
     num_seqs, num_kv_heads, group, head_dim = q.shape
     out = torch.empty_like(q32)
-    rc = lib.paged_decode_attention(
-        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _bf16_flag(k_cache), block_tables.data_ptr(),
+    fn, fmt = lib.paged_decode_attention, 0
+    if k_cache.dtype in (torch.int8, torch.uint8):
+        assert k_cache.shape[3] == head_dim + SCALE_BYTES and v_cache.dtype == k_cache.dtype
+        fn, fmt = lib.paged_decode_attention_kv8, format_code(k_cache)
+    else:
+        fmt = _bf16_flag(k_cache)
+    rc = fn(
+        q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), fmt, block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_kv_heads, group, head_dim, k_cache.shape[1],
         block_tables.shape[1], scale, torch.get_num_threads())
     if rc != 0:
@@ -252,17 +284,39 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                          num_heads, num_kv_heads, head_dim, _bf16_flag(qkv))
 
 
+def rope_write_kv8(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """``rope_write_kv`` into 8-bit caches: q and k rotated in place, k and v rows quantized into their slots
+    (the codes and scales of ``kv_quant.quantize``, bit for bit).
+
+    Args:
+        qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` float32 or bfloat16, contiguous.
+        positions, slot_mapping: ``[T]`` int64. cos, sin: ``[max_position, head_dim]`` float32 tables.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim + 4]`` int8 or uint8 (fp8).
+    Raises:
+        RuntimeError: head_dim over 1,024.
+    """
+    assert qkv.is_contiguous() and k_cache.dtype == v_cache.dtype and k_cache.shape[3] == head_dim + SCALE_BYTES
+    rc = _lib().rope_write_kv8(qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.shape[0],
+                               num_heads, num_kv_heads, head_dim, _bf16_flag(qkv), format_code(k_cache))
+    if rc != 0:
+        raise RuntimeError(f"rope_write_kv8 failed with code {rc} (head_dim {head_dim})")
+
+
 def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                intermediate_size: int, eps: float, scale: float, weights_bf16: bool) -> torch.Tensor:
+                intermediate_size: int, eps: float, scale: float, weights_bf16: bool, kv_fmt: int = 0) -> torch.Tensor:
     """Every decoder layer of a pure-decode step, then the final norm, in one native call.
 
     Args:
         x: ``[M, H]`` float32 or bfloat16 embeddings of the M decode tokens (one per sequence), contiguous;
             its dtype is the activations' (used as scratch).
         layer_ptrs: ``[num_layers, 9]`` int64 addresses (see ``decode_step.c``): norm weights in x's dtype,
-            float32 biases, float32 or bfloat16 projection weights (``weights_bf16``), K/V caches in x's dtype.
+            float32 biases, float32 or bfloat16 projection weights (``weights_bf16``), K/V caches in x's dtype
+            (``kv_fmt`` 0) or 8-bit (``kv_fmt`` 2 int8, 3 fp8: ``kv_quant.format_code``).
         final_norm: ``[H]`` in x's dtype. positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables
             ``[M, max_blocks]`` int64. cos, sin: ``[max_position, head_dim]`` float32.
     Returns:
@@ -278,7 +332,7 @@ def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Ten
         x.data_ptr(), out.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
         positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         block_tables.shape[1], block_size, cos.data_ptr(), sin.data_ptr(), m, h, num_heads, num_kv_heads,
-        head_dim, intermediate_size, eps, scale, int(weights_bf16), _bf16_flag(x), torch.get_num_threads())
+        head_dim, intermediate_size, eps, scale, int(weights_bf16), _bf16_flag(x), kv_fmt, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"decode_step failed with code {rc}")
     return out
@@ -306,8 +360,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` float32 or bfloat16, on CPU; rows may be strided (a view
             into the fused QKV projection) but each row's heads must be contiguous.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, contiguous,
-            one dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, or 8-bit
+            ``[..., head_dim + 4]`` int8 / uint8 (fp8) rows of codes and a float32 scale (``kv_quant.py``),
+            contiguous, one dtype.
         block_tables: ``[num_seqs, max_blocks]`` int64; entries past a sequence's keys are not read.
         q_start, q_len, offsets: ``[num_seqs]`` int64.
         scale: the softmax scale (``1 / sqrt(head_dim)``).
@@ -321,13 +376,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     Raises:
         RuntimeError: the kernels are unavailable, memory could not be allocated, or an argument is out of
             range (rows past ``num_tokens``, keys past a block table, num_heads not a multiple of num_kv_heads).
-        TypeError: a dtype other than float32 / bfloat16, or k and v caches of different dtypes.
+        TypeError: a dtype other than float32 / bfloat16 (q) or float32 / bfloat16 / int8 / uint8 (caches), or
+            k and v caches of different dtypes.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    q_bf16, kv_bf16 = _bf16_flag(q), _bf16_flag(k_cache)
+    q_bf16, kv_fmt = _bf16_flag(q), format_code(k_cache)
+    if kv_fmt >= 2:
+        cache_dim -= SCALE_BYTES  # 8-bit rows: codes, then the scale
     if (cache_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise RuntimeError(f"paged_prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}"
@@ -347,7 +405,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise RuntimeError("paged_prefill_attention: block_tables [num_seqs, max_blocks] and q_start, q_len, "
                            "offsets [num_seqs] must be int64")
     rc = (lib or _lib()).paged_prefill_attention(
-        q.data_ptr(), q.stride(0), q_bf16, k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16, block_tables.data_ptr(),
+        q.data_ptr(), q.stride(0), q_bf16, k_cache.data_ptr(), v_cache.data_ptr(), kv_fmt, block_tables.data_ptr(),
         block_tables.shape[1], q_start.data_ptr(), q_len.data_ptr(), offsets.data_ptr(), num_seqs, num_tokens,
         out.data_ptr(), num_kv_heads, num_heads // num_kv_heads, head_dim, block_size, scale, torch.get_num_threads())
     if rc != 0:

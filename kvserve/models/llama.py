@@ -18,6 +18,7 @@ from torch import nn
 
 from kvserve.layers import cpu_kernels
 from kvserve.layers.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.layers.kv_quant import format_code, is_kv8
 from kvserve.layers.layernorm import RMSNorm
 from kvserve.layers.linear import Linear, small_m_max, use_native
 from kvserve.layers.rotary import RotaryEmbedding
@@ -46,6 +47,11 @@ class Attention(nn.Module):
             # One call: RoPE on q and k in place, k and v into their cache slots.
             cpu_kernels.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+        elif use_native(qkv) and is_kv8(kv_cache[0].dtype):
+            # The same into an 8-bit cache: k and v quantized as ``kv_quant.write_kv8`` does, bit for bit.
+            cpu_kernels.rope_write_kv8(qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache[0], kv_cache[1],
+                                       meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -140,12 +146,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _can_fuse_decode(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                          meta: AttentionMetadata) -> bool:
-        """A pure-decode CPU step (float32 or bfloat16 activations over a cache of the same dtype), small
-        enough for the small-M kernels: ``decode_step.c`` runs it whole (the per-layer path below is its
-        reference, bitwise)."""
+        """A pure-decode CPU step (float32 or bfloat16 activations over a cache of the same dtype, or over an
+        8-bit cache whose native decode variant is built), small enough for the small-M kernels:
+        ``decode_step.c`` runs it whole (the per-layer path below is its reference, bitwise)."""
+        kv_dtype = kv_caches[0][0].dtype
         return (meta.native_decode is not None and meta.num_decode_tokens == x.shape[0] <= small_m_max(x.dtype)
                 and not meta.prefill_groups and meta.native_prefill is None and use_native(x)
-                and kv_caches[0][0].dtype == x.dtype
+                and (kv_dtype == x.dtype or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
                 and self.fuse_decode and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
 
     def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor,
@@ -174,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
             x.contiguous(), self._layer_ptrs[1], self.norm.weight, positions, meta.slot_mapping, block_tables,
             seq_lens, kv_caches[0][0].shape[1], self.rotary.cos, self.rotary.sin, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cast(DecoderLayer, self.layers[0]).self_attn.scale, self.embed_tokens.weight.dtype == torch.bfloat16)
+            cast(DecoderLayer, self.layers[0]).self_attn.scale, self.embed_tokens.weight.dtype == torch.bfloat16,
+            format_code(kv_caches[0][0]) if is_kv8(kv_caches[0][0].dtype) else 0)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -1,9 +1,16 @@
-"""Sizing and allocating the physical KV cache."""
+"""Sizing and allocating the physical KV cache.
+
+Caches of a logical KV dtype ``kv_dtype`` (float32, bfloat16, or the 8-bit ``int8`` / ``float8_e4m3fn``) are
+tensors of ``storage_dtype(kv_dtype)`` shaped ``[num_blocks, block_size, num_kv_heads, row_elems]``, where a
+row is ``head_dim`` elements, or for 8 bits ``head_dim`` codes plus a 4-byte float32 scale
+(``layers/kv_quant.py``).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from kvserve.layers.kv_quant import kv_bytes_per_token, row_elems, storage_dtype
 from kvserve.models.registry import ModelArchConfig
 from kvserve.worker.host_memory import hugepages_enabled, pack_tensors
 
@@ -11,8 +18,11 @@ GiB = 1 << 30
 
 
 def block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers: ``block_size × kv_bytes_per_token``."""
-    return block_size * arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    """Bytes of one KV block over all layers, scales included: ``block_size × kv_bytes_per_token``, i.e.
+    ``block_size × 2 × layers × kv_heads × head_dim × element_size`` for float32 / bfloat16 and
+    ``block_size × 2 × layers × kv_heads × (head_dim + 4)`` for int8 / fp8 (SmolLM2, 16-token blocks:
+    bfloat16 368,640 bytes, 8-bit 195,840: 1.88× the blocks at head_dim 64, 1.94× at 128)."""
+    return block_size * kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, dtype)
 
 
 def num_blocks_for_budget(budget_bytes: int, arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -26,12 +36,14 @@ def num_blocks_for_budget(budget_bytes: int, arch: ModelArchConfig, block_size: 
 
 def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Per layer (k_cache, v_cache), each ``[num_blocks, block_size, num_kv_heads, row_elems]`` of the storage
+    dtype (see the module docstring; 8-bit: zero codes with zero scales).
 
     Zero-filled: padded attention reads masked slots, and masked garbage could be NaN (0 × NaN = NaN).
     On CPU the caches lie in transparent huge pages (``host_memory``).
     """
-    shape = (num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    shape = (num_blocks, block_size, arch.num_key_value_heads, row_elems(arch.head_dim, dtype))
+    dtype = storage_dtype(dtype)
     if hugepages_enabled(device):  # decode attention streams the cache: huge pages, as the weights
         n = arch.num_hidden_layers
         caches = pack_tensors([torch.zeros((), dtype=dtype).expand(shape)] * (2 * n))
@@ -53,7 +65,8 @@ def num_host_blocks_for(swap_space_gib: float, arch: ModelArchConfig, block_size
 
 def allocate_host_swap_pool(arch: ModelArchConfig, num_host_blocks: int, block_size: int, dtype: torch.dtype,
                             device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k, v) host tensors ``[num_host_blocks, block_size, num_kv_heads, head_dim]`` for swapped blocks.
+    """Per layer (k, v) host tensors ``[num_host_blocks, block_size, num_kv_heads, row_elems]`` (the device
+    cache's storage dtype and row layout, scales included) for swapped blocks.
 
     Always on CPU; pinned (page-locked) when ``device`` is CUDA so copies can be asynchronous DMA.
     ``torch.empty``, not zeros: a block is only ever read back after it was written by a swap-out, and
@@ -62,7 +75,8 @@ def allocate_host_swap_pool(arch: ModelArchConfig, num_host_blocks: int, block_s
     """
     if num_host_blocks <= 0:
         return []
-    shape = (num_host_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    shape = (num_host_blocks, block_size, arch.num_key_value_heads, row_elems(arch.head_dim, dtype))
+    dtype = storage_dtype(dtype)
     pin = device.type == "cuda"
     return [(torch.empty(shape, dtype=dtype, pin_memory=pin), torch.empty(shape, dtype=dtype, pin_memory=pin))
             for _ in range(arch.num_hidden_layers)]

@@ -25,6 +25,7 @@ from kvserve.core.scheduler_output import (
     TokenLogprobs,
 )
 from kvserve.layers.cpu_kernels import native_available
+from kvserve.layers.kv_quant import is_kv8, storage_dtype
 from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
 from kvserve.sample.logits_processor import LogitsProcessors
@@ -77,14 +78,16 @@ class ModelRunner:
         num_blocks, block_size: KV cache geometry (must match the BlockManager's).
         num_host_blocks: blocks of the host swap pool (``kv_cache.num_host_blocks_for(swap_space)``);
             0: no pool, swap preemption impossible.
-        kv_dtype: the KV cache's dtype (None: the model's).
+        kv_dtype: the KV cache's dtype (None: the model's); ``torch.int8`` / ``torch.float8_e4m3fn`` for the
+            8-bit caches (rows of codes plus a float32 scale, ``layers/kv_quant.py``).
 
     Swap layout: the device cache and the host pool have the same per-layer block shape, so a swap is a
-    row copy per layer::
+    row copy per layer (``row`` = head_dim, or head_dim + 4 bytes of codes and scale for an 8-bit cache, so
+    swaps, copy-on-write and offload payloads carry the scales with the codes)::
 
-        kv_caches[l][0|1]      [num_blocks,      block_size, num_kv_heads, head_dim]   (device)
+        kv_caches[l][0|1]      [num_blocks,      block_size, num_kv_heads, row]   (device)
                  │ swap out ▲ swap in         (device_block <-> host_block)
-        host_kv_caches[l][0|1] [num_host_blocks, block_size, num_kv_heads, head_dim]   (CPU, pinned on CUDA)
+        host_kv_caches[l][0|1] [num_host_blocks, block_size, num_kv_heads, row]   (CPU, pinned on CUDA)
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
@@ -94,16 +97,18 @@ class ModelRunner:
         self.arch = model.config
         self.device = device
         self.model_dtype = model.compute_dtype
-        self.dtype = kv_dtype or self.model_dtype  # the KV cache's dtype (swaps, block bytes)
+        self.dtype = kv_dtype or self.model_dtype  # the KV cache's logical dtype (swaps, block bytes)
+        self.cache_dtype = storage_dtype(self.dtype)  # the cache tensors' dtype (8-bit: int8 / uint8 bytes)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_bytes = block_bytes(self.arch, block_size, self.dtype)  # one block, all layers, K and V
         self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, self.dtype, device)
         self.host_kv_caches = allocate_host_swap_pool(self.arch, num_host_blocks, block_size, self.dtype, device)
-        # The compiled kernel reads float32 / bfloat16 caches in place on CPU; other cases use the torch path.
-        self.native_decode = (device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
-                              and native_available())
+        # The compiled kernel reads float32 / bfloat16 / 8-bit caches in place on CPU; other cases use the torch
+        # path (an 8-bit cache whose native variant is not built falls back per call, ``attention.py``).
+        self.native_decode = (device.type == "cpu" and (self.dtype in (torch.float32, torch.bfloat16)
+                                                        or is_kv8(self.dtype)) and native_available())
         # Prefill attention likewise (csrc/prefill_attention.c), when the activations are float32 / bfloat16 too.
         self.native_prefill = self.native_decode and self.model_dtype in (torch.float32, torch.bfloat16)
         self.sampler = Sampler()
@@ -162,7 +167,9 @@ class ModelRunner:
     # ---- KV offload ----------------------------------------------------------------------------
     @property
     def offload_block_shape(self) -> tuple[int, ...]:
-        """The payload shape of one block: ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``."""
+        """The payload shape of one block: ``[num_layers, 2 (K, V), block_size, num_kv_heads, row]`` elements of the
+        cache's storage dtype (``row``: head_dim, or for an 8-bit cache head_dim codes + a 4-byte scale, so one
+        block's payload holds its scales)."""
         return (len(self.kv_caches), 2, *self.kv_caches[0][0].shape[1:])
 
     def export_blocks(self, blocks: list[tuple[BlockId, BlockHash, bool]]) -> list[tuple[BlockHash, bytes, bool]]:
@@ -181,12 +188,12 @@ class ModelRunner:
             ValueError: a payload of the wrong size.
         """
         shape = self.offload_block_shape
-        nbytes = math.prod(shape) * self.dtype.itemsize
+        nbytes = math.prod(shape) * self.cache_dtype.itemsize
         for _, payload in loads:
             if len(payload) != nbytes:
                 raise ValueError(f"KV payload of {len(payload)} bytes, expected {nbytes}")
         raw = np.frombuffer(b"".join(p for _, p in loads), dtype=np.uint8)
-        data = torch.from_numpy(raw.copy()).view(self.dtype).view(len(loads), *shape).to(self.device)
+        data = torch.from_numpy(raw.copy()).view(self.cache_dtype).view(len(loads), *shape).to(self.device)
         idx = torch.tensor([b for b, _ in loads], dtype=torch.int64, device=self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, idx, data[:, layer, 0])

@@ -154,19 +154,21 @@ def test_kv_cache_dtype_flag_is_validated() -> None:
     from kvserve.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="fp8_e5m2")
 
 
-@pytest.mark.parametrize("dtype,activations", [("float32", "float32"), ("bfloat16", "float32"),
-                                               ("bfloat16", "bfloat16")])
+@pytest.mark.parametrize("dtype,activations,kv", [("float32", "float32", None), ("bfloat16", "float32", None),
+                                                  ("bfloat16", "bfloat16", None), ("float32", "float32", "int8"),
+                                                  ("float32", "float32", "fp8"), ("bfloat16", "bfloat16", "int8")])
 @pytest.mark.parametrize("num_seqs", [1, 3])
 def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]],
-                                                 dtype: str, activations: str, num_seqs: int,
+                                                 dtype: str, activations: str, kv: str | None, num_seqs: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """``decode_step.c`` chains the same kernels as the per-layer path: the final hidden states are
     bitwise equal (fp32 weights; bf16 weights under fp32 activations, as on CPUs without bf16 dot
     products; bf16 weights, activations and KV cache, as on AVX512-BF16 hosts: forced here by the flags
-    the dtype choice sees, so it runs on every host; the GEMM then takes whichever bf16 path the host has)."""
+    the dtype choice sees, so it runs on every host; the GEMM then takes whichever bf16 path the host has;
+    and over 8-bit caches, ``kv``: rope_write_kv8 and the 8-bit decode attention in both paths)."""
     if activations == "bfloat16":
         monkeypatch.setenv("KVSERVE_CPU_FLAGS", "avx2 fma avx512_bf16")
     if not cpu_kernels.native_available():
@@ -176,7 +178,7 @@ def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[li
     from kvserve.worker.input_batch import prepare_inputs
 
     path, _, _ = tiny_qwen2
-    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype=dtype, kv_cache_dtype=activations)
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype=dtype, kv_cache_dtype=kv or activations)
     runner, model = llm.engine.runner, llm.engine.runner.model
     assert model.compute_dtype == getattr(torch, activations)
     bs, cpu = runner.block_size, torch.device("cpu")

@@ -29,6 +29,14 @@ def test_kv_bytes_per_token() -> None:
         cm.kv_bytes_per_token(30, 0, 64, 4)
 
 
+def test_kv_bytes_per_token_8bit_counts_the_scales() -> None:
+    """kvserve's int8 / fp8 rows: head_dim codes + a 4-byte float32 scale per token and KV head."""
+    assert cm.kv_bytes_per_token_8bit(30, 3, 64) == 12_240  # 2 × 30 × 3 × 68
+    assert cm.kv_bytes_per_token_8bit(28, 2, 128) == 2 * 28 * 2 * 132
+    with pytest.raises(ValueError, match="num_layers"):
+        cm.kv_bytes_per_token_8bit(0, 3, 64)
+
+
 def test_kv_bytes() -> None:
     assert cm.kv_bytes(SMOL_FP32, 2048) == 94_371_840  # 46,080 × 2,048 = 90 MiB
     assert cm.kv_bytes(SMOL_FP32, 0) == 0

@@ -38,8 +38,10 @@ def test_plan_values_for_smollm2(info: ModelInfo) -> None:
     assert r2048["kv_bytes"] == 94_371_840  # 46,080 × 2,048
     assert r512["max_concurrency"] == 91  # floor(2 GiB / 23,592,960)
     assert r2048["max_concurrency"] == 22  # floor(2,147,483,648 / 94,371,840) = floor(22.76)
-    assert r2048["max_concurrency_8bit"] == 91  # 11,520 B/token × 2,048 = 23,592,960
-    assert plan["kv_8bit"]["concurrency_gain"] == 4
+    # 8-bit rows carry a float32 scale: 2 × 30 × 3 × (64 + 4) = 12,240 B/token; × 2,048 = 25,067,520
+    assert plan["kv_8bit"]["kv_bytes_per_token_8bit"] == 12_240
+    assert r2048["max_concurrency_8bit"] == 85  # floor(2,147,483,648 / 25,067,520) = floor(85.67)
+    assert plan["kv_8bit"]["concurrency_gain"] == pytest.approx(46_080 / 12_240)
     rows = {r["batch"]: r for r in plan["roofline"]["rows"]}
     # batch 1: (538,060,032 + 94,371,840) / 1e10 = 63.24 ms
     assert rows[1]["step_s"] == pytest.approx(0.0632431872)
@@ -75,7 +77,7 @@ def test_kv_cache_dtype_and_memory_budget(info: ModelInfo) -> None:
     opts = PlanOptions(dtype="bfloat16", kv_cache_dtype="fp8", memory_bytes=8 * GiB, utilization=0.5,
                        bandwidth_bytes_per_s=1e10, copy_bytes_per_s=1e10)
     plan = build_plan(info, opts)
-    assert plan["kv"]["kv_bytes_per_token"] == 11_520
+    assert plan["kv"]["kv_bytes_per_token"] == 12_240  # kvserve's fp8 layout: 2 × 30 × 3 × (64 + 4 scale bytes)
     assert plan["model"]["weight_bytes"] == SMOL_PARAMS * 2
     assert plan["kv"]["kv_memory_bytes"] == pytest.approx(4 * GiB - SMOL_PARAMS * 2)
 

@@ -1,5 +1,5 @@
-/* A whole decode step of a Llama-family decoder in one call (float32 or bfloat16 activations and KV cache;
- * float32 or bfloat16 weights): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
+/* A whole decode step of a Llama-family decoder in one call (float32 or bfloat16 activations; a KV cache of
+ * the activations' dtype or 8-bit (int8 / fp8 rows with scales, kv8.h); float32 or bfloat16 weights): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
  *
  * Why: at batch 1 a step is ~300 kernel calls of 20-100 us each. Called one by one from Python, each pays
  * the interpreter's and ctypes' overhead and restarts the memory pipeline (the hardware prefetchers lose
@@ -36,6 +36,13 @@ void silu_mul(const void *gate_up, void *out, int64_t M, int64_t F, int bf16);
 void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
                    const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
                    int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16);
+int paged_decode_attention_kv8(const float *q, const void *k_cache, const void *v_cache, int kv_fmt,
+                               const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                               int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                               int64_t block_size, int64_t max_blocks, float scale, int64_t num_threads);
+int rope_write_kv8(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                   const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                   int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16, int kv_fmt);
 
 enum { P_IN_NORM, P_QKV_W, P_QKV_B, P_O_W, P_POST_NORM, P_GATE_UP_W, P_DOWN_W, P_K_CACHE, P_V_CACHE, P_COUNT };
 
@@ -43,14 +50,15 @@ enum { P_IN_NORM, P_QKV_W, P_QKV_B, P_O_W, P_POST_NORM, P_GATE_UP_W, P_DOWN_W, P
 
 /* x: [M, H] embeddings in the activation dtype (act_bf16: bfloat16, else float32), overwritten (scratch);
  * out: [M, H] final normed hidden, activation dtype. Norm weights have the activation dtype, biases are
- * float32, projection weights float32 or bfloat16 (w_bf16), K/V caches the activation dtype. As in the
- * per-op path, attention takes q widened to float32 and its output is rounded to the activation dtype.
+ * float32, projection weights float32 or bfloat16 (w_bf16), K/V caches the activation dtype (kv_fmt 0) or
+ * 8-bit (kv_fmt 2 int8, 3 fp8: rope_write_kv8 and paged_decode_attention_kv8 instead). As in the per-op
+ * path, attention takes q widened to float32 and its output is rounded to the activation dtype.
  * Returns 0, or -1 when scratch memory could not be allocated or a kernel failed. */
 int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layers, const void *final_norm,
                 const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_tables,
                 const int64_t *seq_lens, int64_t max_blocks, int64_t block_size, const float *cos_table,
                 const float *sin_table, int64_t M, int64_t H, int64_t Hq, int64_t Hk, int64_t D, int64_t F,
-                float eps, float scale, int w_bf16, int act_bf16, int64_t num_threads) {
+                float eps, float scale, int w_bf16, int act_bf16, int kv_fmt, int64_t num_threads) {
     const int64_t qkv_n = (Hq + 2 * Hk) * D, q_n = Hq * D;
     const size_t esz = act_bf16 ? 2 : 4;
     void *res = malloc(esz * (size_t)(M * H));
@@ -71,8 +79,12 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
         }
         rc |= small_gemm(h, act_bf16, PTR(l, P_QKV_W), w_bf16, (const float *)PTR(l, P_QKV_B), qkv, M, qkv_n, H,
                          num_threads);
-        rope_write_kv(qkv, qkv_n, positions, cos_table, sin_table, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE),
-                      slot_mapping, M, Hq, Hk, D, act_bf16);
+        if (kv_fmt >= 2)
+            rc |= rope_write_kv8(qkv, qkv_n, positions, cos_table, sin_table, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE),
+                                 slot_mapping, M, Hq, Hk, D, act_bf16, kv_fmt);
+        else
+            rope_write_kv(qkv, qkv_n, positions, cos_table, sin_table, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE),
+                          slot_mapping, M, Hq, Hk, D, act_bf16);
         for (int64_t m = 0; m < M; m++) {
             if (act_bf16) {
                 const uint16_t *src = (const uint16_t *)qkv + m * qkv_n;
@@ -81,8 +93,12 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
                 memcpy(q + m * q_n, (const float *)qkv + m * qkv_n, sizeof(float) * (size_t)q_n);
             }
         }
-        rc |= paged_decode_attention(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), act_bf16, block_tables, seq_lens,
-                                     attn32, M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
+        if (kv_fmt >= 2)
+            rc |= paged_decode_attention_kv8(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), kv_fmt, block_tables, seq_lens,
+                                             attn32, M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
+        else
+            rc |= paged_decode_attention(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), act_bf16, block_tables, seq_lens,
+                                         attn32, M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
         if (act_bf16)
             for (int64_t i = 0; i < M * q_n; i++) ((uint16_t *)attn)[i] = bf16_narrow(attn32[i]);
         rc |= small_gemm(attn, act_bf16, PTR(l, P_O_W), w_bf16, NULL, x, M, H, q_n, num_threads);

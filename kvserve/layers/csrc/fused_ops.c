@@ -9,6 +9,7 @@
  *   silu_mul       out = silu(gate) * up, gate_up = [gate | up] along the last dim (SwiGLU; Shazeer 2020)
  *   rope_write_kv  q, k rotated in place (NeoX / HF rotate-half layout; Su et al. 2021), then k and v
  *                  written to their paged cache slots (vLLM's reshape_and_cache)
+ *   rope_write_kv8 the same into an 8-bit cache: each k / v row quantized (kv8.h; kv_quant.py bit for bit)
  *
  * Activations are float32 or bfloat16 (dtype flag 0 / 1); math is float32; bf16 results are rounded to
  * nearest even after each op the reference rounds at. The torch code in layernorm.py / rotary.py /
@@ -19,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kv8.h"
 
 /* Elements below which an op stays on the calling thread (a decode step's rows: the parallel region
  * would cost more than the work); above it (prefill chunks) OpenMP splits the rows. Rows are
@@ -177,4 +179,32 @@ void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, cons
         memcpy((char *)v_cache + (size_t)slot_mapping[t] * kv_bytes, row + (size_t)((Hq + Hk) * D) * esz,
                kv_bytes);
     }
+}
+
+/* rope_write_kv for 8-bit caches k_cache / v_cache [num_slots, Hk, D + 4] (kv_fmt: KV8_INT8 or KV8_FP8): q and
+ * k rotated in place as above, then each k and v row (float32, or bf16 widened exactly) quantized into its
+ * slot: D codes and the row's float32 scale. Returns 0, or -2 for head_dim > KV8_MAX_D (the row buffer). */
+#define KV8_MAX_D 1024
+int rope_write_kv8(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                   const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                   int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16, int kv_fmt) {
+    if (D > KV8_MAX_D || D < 1) return -2;
+    const int64_t W = D + KV8_SCALE_BYTES;
+#pragma omp parallel for schedule(static) if (T * row_stride >= PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
+        const int64_t base = t * row_stride;
+        for (int64_t h = 0; h < Hq + Hk; h++) {
+            if (bf16) rope_vec(qkv, base + h * D, c, s, D, 1);
+            else rope_vec(qkv, base + h * D, c, s, D, 0);
+        }
+        float row[KV8_MAX_D];
+        for (int64_t h = 0; h < 2 * Hk; h++) { /* k heads, then v heads */
+            const int64_t off = base + (Hq + h) * D;
+            for (int64_t d = 0; d < D; d++) row[d] = ld(qkv, off + d, bf16);
+            uint8_t *dst = (uint8_t *)(h < Hk ? k_cache : v_cache) + (slot_mapping[t] * Hk + h % Hk) * W;
+            kv8_quantize_row(row, D, kv_fmt, dst);
+        }
+    }
+    return 0;
 }
