@@ -210,3 +210,20 @@ def test_kv_of_another_model_is_refused_and_recomputed(model: Path, tmp_path: Pa
     finally:
         for llm in (p, d, ref_llm):
             llm.engine.close()
+
+
+def test_an_8bit_cache_moves_codes_and_scales(model: Path) -> None:
+    """int8 KV on both sides: the payloads carry the codes and their per-row scales, and D continues exactly
+    as one engine with the same int8 cache."""
+    single, p, d = (_llm(model, role, kv_cache_dtype="int8") for role in (None, "kv_producer", "kv_consumer"))
+    try:
+        prompt = PROMPTS[29]
+        ref = single.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+        tokens, _ = _pd(p, d, prompt, _greedy())
+        assert tokens == ref
+        c = d.engine.connector
+        assert c is not None and c.snapshot().bytes_received == 8 * c.block_nbytes
+        assert c.block_nbytes == BS * 2 * 3 * 2 * (16 + 4)  # tokens x K,V x layers x kv heads x (head_dim + scale)
+    finally:
+        for llm in (single, p, d):
+            llm.engine.close()
