@@ -59,7 +59,7 @@ Usage::
     .venv/bin/python benchmarks/disagg.py                                   # both setups, both workloads
     .venv/bin/python benchmarks/disagg.py --workloads itl --out results/disagg-itl.json
     .venv/bin/python benchmarks/disagg.py --single-args "--max-num-batched-tokens 256"
-    .venv/bin/python benchmarks/disagg.py --quick --out /tmp/disagg-quick.json   # smoke: tiny sizes
+    .venv/bin/python benchmarks/disagg.py --quick --out results/disagg-quick.json  # smoke: tiny sizes
 """
 
 from __future__ import annotations

@@ -79,6 +79,7 @@ from typing import IO, Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import REPO, Contention, environment, table, write_result  # noqa: E402
+from _bench_common import machine_info as common_machine_info  # noqa: E402
 
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # an uninstalled checkout still finds kvserve.bench
@@ -520,25 +521,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 # ---- machine -------------------------------------------------------------------------------------------------
 def machine_info(threads: int) -> dict[str, Any]:
-    """lscpu's model name and flags, nproc, torch, load; plus _bench_common.environment."""
-    info: dict[str, Any] = {}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
-                             env={**os.environ, "LC_ALL": "C"}).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    for line in out.splitlines():
-        k, _, v = line.partition(":")
-        if k.strip() in ("Model name", "Flags", "Architecture", "Thread(s) per core", "L3"):
-            info[k.strip()] = v.strip()
-    flags = set(info.get("Flags", "").split())
-    info["key_flags"] = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-                         if f in flags]
-    try:
-        info["nproc"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        info["nproc"] = os.cpu_count()
-    info["uptime_load"] = [round(x, 2) for x in os.getloadavg()]
+    """``_bench_common.machine_info`` (lscpu's model and flags, nproc, load) plus ``environment``."""
+    info = common_machine_info()
+    info["uptime_load"] = info["loadavg"]
     try:
         info.update(environment(threads))  # python, torch version, torch_threads, ncpu, cpu model
     except ImportError:

@@ -654,6 +654,10 @@ class Scheduler:
         bm = self.block_manager
         spec_rows: dict[str, ScheduledRequest] = {}
         for s in output.scheduled:
+            # prompt positions this step ran through the model (also for a request aborted meanwhile)
+            if s.num_computed_tokens < s.request.num_prompt_tokens:
+                self.prompt_tokens_computed += min(s.num_computed_tokens + s.num_scheduled_tokens,
+                                                   s.request.num_prompt_tokens) - s.num_computed_tokens
             if s.request.status != RequestStatus.RUNNING:
                 continue
             if s.num_spec_tokens:  # advanced by the tokens it emits, below (accepted drafts + one)
@@ -661,9 +665,6 @@ class Scheduler:
                 continue
             s.request.num_computed_tokens += s.num_scheduled_tokens
             bm.cache_blocks(s.request, s.request.num_computed_tokens)
-        for s in output.scheduled:  # prompt positions this step ran through the model
-            self.prompt_tokens_computed += max(0, min(s.num_computed_tokens + s.num_scheduled_tokens,
-                                                      s.request.num_prompt_tokens) - s.num_computed_tokens)
         updates: list[RequestUpdate] = []
         for row, request_id in enumerate(runner_output.req_ids):
             request = self.requests.get(request_id)

@@ -335,8 +335,8 @@ class AsyncLLM:
                         return
                     items = list(self._inbox)
                     self._inbox.clear()
-                if poll is not None:
-                    poll()
+                if poll is not None and not engine.has_unfinished_requests():
+                    poll()  # (a busy engine does the same in every step's schedule())
                 for item in items:
                     if isinstance(item, _Add):
                         self._add(item)

@@ -11,7 +11,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -331,9 +330,8 @@ class LLMEngine:
         def export(block_ids: list[int]) -> list[bytes]:
             return [p for _, p, _ in runner.export_blocks([(BlockId(b), BlockHash(b""), False) for b in block_ids])]
 
-        nbytes = math.prod(runner.offload_block_shape) * self.kv_dtype.itemsize
         try:
-            connector = ZmqConnector(cfg, self.fingerprint, self.config.block_size, nbytes,
+            connector = ZmqConnector(cfg, self.fingerprint, self.config.block_size, runner.offload_block_nbytes,
                                      str(self.kv_dtype).removeprefix("torch."), runner.offload_block_shape, export)
         except zmq.ZMQError as e:
             raise InvalidRequestError(f"kv_transfer_config: cannot bind {cfg.kv_ip}:{cfg.kv_port} ({e})",

@@ -172,6 +172,11 @@ class ModelRunner:
         block's payload holds its scales)."""
         return (len(self.kv_caches), 2, *self.kv_caches[0][0].shape[1:])
 
+    @property
+    def offload_block_nbytes(self) -> int:
+        """Bytes of one block's payload (``offload_block_shape`` in the cache's storage dtype)."""
+        return math.prod(self.offload_block_shape) * self.cache_dtype.itemsize
+
     def export_blocks(self, blocks: list[tuple[BlockId, BlockHash, bool]]) -> list[tuple[BlockHash, bytes, bool]]:
         """The target cache's contents of ``blocks`` as payload bytes (layout ``offload_block_shape``, the
         cache dtype, C order), one gather per layer and one device -> host copy."""
@@ -187,8 +192,7 @@ class ModelRunner:
         Raises:
             ValueError: a payload of the wrong size.
         """
-        shape = self.offload_block_shape
-        nbytes = math.prod(shape) * self.cache_dtype.itemsize
+        shape, nbytes = self.offload_block_shape, self.offload_block_nbytes
         for _, payload in loads:
             if len(payload) != nbytes:
                 raise ValueError(f"KV payload of {len(payload)} bytes, expected {nbytes}")
