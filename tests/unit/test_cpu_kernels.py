@@ -126,6 +126,17 @@ def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_silu_mul_edge_values_match_torch(dtype: torch.dtype) -> None:
+    """The vectorized exp (range-reduced polynomial + vscalefps, clamped to +-104) at the extremes: underflow
+    to -0, a denormal product, overflow to inf, +-inf and NaN, exactly as torch's silu gives them."""
+    g = torch.tensor([-200.0, -104.5, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 100.0, 200.0,
+                      float("inf"), float("-inf"), float("nan"), 0.5, -3.0, 7.25])
+    gate_up = torch.cat([g, torch.ones_like(g)]).reshape(1, -1).to(dtype)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up)[0], F.silu(g.to(dtype)), rtol=1e-6, atol=0,
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rope_write_kv_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
     g = torch.Generator().manual_seed(head_dim)

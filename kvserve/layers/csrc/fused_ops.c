@@ -38,6 +38,74 @@ static inline void st(void *p, int64_t i, float f, int bf16) {
     else ((float *)p)[i] = f;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The same rows with AVX-512: bf16 widened exactly and rounded to nearest even as bf16_narrow does
+ * (NaN kept quiet). */
+
+/* e^x, 16 lanes: x = n ln2 + r (Cody-Waite, |r| <= ln2/2), e^r by its degree-6 Taylor polynomial
+ * (truncation error <= 0.347^7/7! = 1.2e-7 relative), times 2^n by vscalefps (which saturates to 0 / inf
+ * without integer tricks). Within ~3 ulp of expf; x clamped to [-104, 104] first (NaN kept: a NaN
+ * operand is what min/max return when it is their second). 10 dependent vector ops where libmvec's
+ * expf spends ~2x that on special cases. */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.f), _mm512_min_ps(_mm512_set1_ps(104.f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  /* ln2 split hi + lo */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __attribute__((always_inline)) __m512i narrow16(__m512 f) { /* -> bf16 in each lane's low half */
+    const __m512i u = _mm512_castps_si512(f);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, __mmask16 k, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
+    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
+}
+
+
+static inline __attribute__((always_inline)) __m512 round16(__m512 f) { /* the float32 a bf16 would hold */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(narrow16(f), 16));
+}
+
+static inline __attribute__((always_inline)) void st16(void *p, int64_t i, __mmask16 k, __m512 f, int bf16) {
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, k, _mm512_cvtepi32_epi16(narrow16(f)));
+    else _mm512_mask_storeu_ps((float *)p + i, k, f);
+}
+
+static inline __attribute__((always_inline)) void silu_mul_row16(const void *gate_up, void *out, int64_t m,
+                                                                  int64_t F, const int bf16) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t i = 0; i < F; i += 16) {
+        const __mmask16 k = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1u);
+        const __m512 g = ld16(gate_up, m * 2 * F + i, k, bf16);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 sv = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        if (bf16) sv = _mm512_castsi512_ps(_mm512_slli_epi32(narrow16(sv), 16));
+        const __m512 r = _mm512_mul_ps(sv, ld16(gate_up, m * 2 * F + F + i, k, bf16));
+        if (bf16) _mm256_mask_storeu_epi16((uint16_t *)out + m * F + i, k, _mm512_cvtepi32_epi16(narrow16(r)));
+        else _mm512_mask_storeu_ps((float *)out + m * F + i, k, r);
+    }
+}
+#endif
+
 /* x, residual, out: [M, H]; weight: [H] (activation dtype). residual may be NULL (no add: the first
  * layer's input). With a residual: residual <- residual + x (rounded to the dtype, as torch's add), and
  * the norm is taken of the new residual. */
@@ -63,13 +131,46 @@ static inline __attribute__((always_inline)) void add_rms_norm_row(const void *x
     }
 }
 
+#if defined(__AVX512F__)
+/* add_rms_norm_row with AVX-512: the same roundings, 16 lanes at a time; the sum of squares is kept in
+ * 16 partial sums (reduced at the end), so it differs from the scalar row in summation order only. */
+static inline __attribute__((always_inline)) void add_rms_norm_row16(const void *x, void *residual,
+                                                                      const void *weight, void *out, int64_t m,
+                                                                      int64_t H, float eps, const int bf16) {
+    __m512 acc = _mm512_setzero_ps();
+    const int64_t base = m * H;
+    for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 k = H - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - i)) - 1u);
+        __m512 v = ld16(x, base + i, k, bf16);
+        if (residual) {
+            v = _mm512_add_ps(v, ld16(residual, base + i, k, bf16));
+            st16(residual, base + i, k, v, bf16);
+            if (bf16) v = round16(v);
+        }
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    const float inv = 1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const void *src = residual ? residual : x;
+    for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 k = H - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (H - i)) - 1u);
+        __m512 v = _mm512_mul_ps(ld16(src, base + i, k, bf16), vinv);
+        if (bf16) v = round16(v);
+        st16(out, base + i, k, _mm512_mul_ps(ld16(weight, i, k, bf16), v), bf16);
+    }
+}
+#define NORM_ROW add_rms_norm_row16
+#else
+#define NORM_ROW add_rms_norm_row
+#endif
+
 void add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t M, int64_t H,
                   float eps, int bf16) {
     /* rows are independent: threads split them (prefill); a decode step's few rows stay on one thread */
 #pragma omp parallel for schedule(static) if (M * H >= PARALLEL_MIN)
     for (int64_t m = 0; m < M; m++) {
-        if (bf16) add_rms_norm_row(x, residual, weight, out, m, H, eps, 1);
-        else add_rms_norm_row(x, residual, weight, out, m, H, eps, 0);
+        if (bf16) NORM_ROW(x, residual, weight, out, m, H, eps, 1);
+        else NORM_ROW(x, residual, weight, out, m, H, eps, 0);
     }
 }
 
@@ -87,42 +188,6 @@ static inline __attribute__((always_inline)) void silu_mul_row(const void *gate_
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-/* The same row with AVX-512: libmvec's 16-lane expf (glibc's vector math, <= 1 ulp like the scalar
- * expf it replaces here), bf16 widened exactly and rounded to nearest even as bf16_narrow does
- * (NaN kept quiet). ~10x the scalar loop at decode sizes. */
-__m512 _ZGVeN16v_expf(__m512);
-
-static inline __attribute__((always_inline)) __m512i narrow16(__m512 f) { /* -> bf16 in each lane's low half */
-    const __m512i u = _mm512_castps_si512(f);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
-static inline __attribute__((always_inline)) __m512 ld16(const void *p, int64_t i, __mmask16 k, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)p + i)), 16));
-    return _mm512_maskz_loadu_ps(k, (const float *)p + i);
-}
-
-static inline __attribute__((always_inline)) void silu_mul_row16(const void *gate_up, void *out, int64_t m,
-                                                                  int64_t F, const int bf16) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (int64_t i = 0; i < F; i += 16) {
-        const __mmask16 k = F - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - i)) - 1u);
-        const __m512 g = ld16(gate_up, m * 2 * F + i, k, bf16);
-        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        __m512 sv = _mm512_div_ps(g, _mm512_add_ps(one, e));
-        if (bf16) sv = _mm512_castsi512_ps(_mm512_slli_epi32(narrow16(sv), 16));
-        const __m512 r = _mm512_mul_ps(sv, ld16(gate_up, m * 2 * F + F + i, k, bf16));
-        if (bf16) _mm256_mask_storeu_epi16((uint16_t *)out + m * F + i, k, _mm512_cvtepi32_epi16(narrow16(r)));
-        else _mm512_mask_storeu_ps((float *)out + m * F + i, k, r);
-    }
-}
 #define SILU_ROW silu_mul_row16
 #else
 #define SILU_ROW silu_mul_row
