@@ -17,7 +17,7 @@ their own sessions and are stopped by PID, SIGTERM then SIGKILL, in ``finally``)
   decoding; the JSON records it). The client sends every request to the proxy, which gets one token from P
   and streams the rest from D (D pulls P's KV over ZMQ).
 * ``single``: one instance with ``--num-threads 2`` (``taskset -c 0,1``) and chunked prefill at the default
-  budget (``max_num_batched_tokens`` 2,048: a prompt of up to 2,048 tokens is still prefilled in one step);
+  budget (``max_num_batched_tokens``: 512 on CPU since 2026-12-02, 2,048 before, as in docs/disagg.md's table);
   the client talks to it directly. ``--single-args`` adds flags (a smaller budget, say).
 
 The client is this process (not pinned; it parses the streams of both setups alike). Workloads (token-id

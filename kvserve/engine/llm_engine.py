@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from kvserve import cpu_features
-from kvserve.config import EngineConfig
+from kvserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from kvserve.core.block_hash import BlockHash
 from kvserve.core.block_manager import BlockId, BlockManager
 from kvserve.core.request import Request, RequestStatus
@@ -243,9 +244,16 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_model_len: {self.max_model_len} exceeds the model's {arch.max_position_embeddings}",
                 param="max_model_len")
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+        if config.max_num_batched_tokens is None:  # the device's default (at least a whole prompt unchunked)
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(self.device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"])
+            if not config.enable_chunked_prefill:
+                budget = max(budget, self.max_model_len)
+            config = self.config = dataclasses.replace(config, max_num_batched_tokens=budget)
+        assert config.max_num_batched_tokens is not None
+        self.max_num_batched_tokens: int = config.max_num_batched_tokens  # the budget in force
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise InvalidRequestError(
-                f"max_num_batched_tokens: {config.max_num_batched_tokens} must be >= max_model_len "
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is off", param="max_num_batched_tokens")
         model = build_model(arch, weights, self.max_model_len, self.dtype, self.device, self.compute_dtype)
         del weights
@@ -267,9 +275,9 @@ class LLMEngine:
                                                   self.kv_dtype)
         self.spec: SpecController | None = None
         if self.spec_config is not None:
-            self.spec = SpecController(self.spec_config, config.max_num_batched_tokens)
+            self.spec = SpecController(self.spec_config, self.max_num_batched_tokens)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill, config.max_num_partial_prefills,
                             config.long_prefill_token_threshold, config.preemption_mode, config.scheduling_policy,
                             num_host_blocks, self.kv_block_bytes()),
@@ -305,7 +313,7 @@ class LLMEngine:
             # The cost model's two speeds, measured here and then updated by every step (EMA).
             self.perf.copy_bytes_per_s = self.runner.measure_copy_bandwidth()
             self.perf.prefill_tokens_per_s = self.runner.measure_prefill_speed(
-                min(64, config.max_num_batched_tokens, self.max_model_len))
+                min(64, self.max_num_batched_tokens, self.max_model_len))
         self.groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._pending: list[RequestOutput] = []
@@ -406,7 +414,7 @@ class LLMEngine:
                 f"{n:.0f}: {1e3 * t:.1f} ms" for n, t in self.spec.target_time.table()))
 
     def _probe_sizes(self) -> list[int]:
-        return [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= self.config.max_num_batched_tokens]
+        return [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n <= self.max_num_batched_tokens]
 
     def _fit_max_model_len_to_cache(self) -> None:
         """As vLLM: a KV cache smaller than ``max_model_len`` refuses to start when ``--max-model-len`` was
@@ -437,7 +445,7 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * c.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
             # Reserve for activations of one full step: hidden + MLP intermediates of the token budget.
-            budget -= 8 * c.max_num_batched_tokens * self.arch.intermediate_size * self.dtype.itemsize
+            budget -= 8 * self.max_num_batched_tokens * self.arch.intermediate_size * self.dtype.itemsize
             budget = min(budget, free)
         else:
             budget = int(c.kv_cache_memory * GiB)

@@ -205,3 +205,27 @@ def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[li
         per_layer = model(ids, pos, runner.kv_caches, meta)
     assert fused.dtype == per_layer.dtype == model.compute_dtype
     assert torch.equal(fused, per_layer)
+
+
+def test_step_token_budget_defaults_by_device(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --max-num-batched-tokens: 512 on CPU (measured faster there, docs/performance.md), raised to
+    max_model_len when chunked prefill is off; a given value is kept; the scheduler gets the value in force."""
+    from kvserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    path = str(tiny_qwen2[0])
+    assert EngineConfig().max_num_batched_tokens is None
+    assert DEFAULT_MAX_NUM_BATCHED_TOKENS == {"cpu": 512, "cuda": 2048}
+
+    def budget(**kwargs: object) -> int:
+        engine = LLM(path, device="cpu", dtype="float32", kv_cache_memory=0.01, **kwargs).engine
+        assert engine.config.max_num_batched_tokens == engine.max_num_batched_tokens
+        assert engine.scheduler.config.max_num_batched_tokens == engine.max_num_batched_tokens
+        return engine.max_num_batched_tokens
+
+    assert budget() == 512
+    assert budget(max_num_batched_tokens=96) == 96
+    assert budget(enable_chunked_prefill=False, max_model_len=200) == 512
+    monkeypatch.setitem(DEFAULT_MAX_NUM_BATCHED_TOKENS, "cpu", 64)
+    assert budget() == 64
+    assert budget(enable_chunked_prefill=False, max_model_len=200) == 200  # a whole prompt fits one step
