@@ -1,12 +1,13 @@
 """The ``kvserve`` command: ``generate`` (offline completion), ``serve`` (OpenAI server), ``bench`` (benchmarks,
 docs/benchmarking.md), ``plan`` (capacity planner, docs/planner.md) and ``proxy`` (the prefill/decode
-disaggregation proxy, kvserve/disagg/proxy.py).
+disaggregation proxy, kvserve/disagg/proxy.py) and ``router`` (the data-parallel router, docs/distributed.md).
 
     kvserve generate --model smollm2-135m-instruct --prompt "The capital of France is" --max-tokens 32
     kvserve serve smollm2-135m-instruct --port 8000
     kvserve bench serve --model smollm2-135m-instruct --dataset sharegpt --sweep 1,4,16 --slo-ttft-p95 2
     kvserve plan --model smollm2-135m-instruct --memory-gib 2
     kvserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    kvserve router --replica http://127.0.0.1:8100 http://127.0.0.1:8200 --port 8000
 """
 
 from __future__ import annotations
@@ -85,11 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve, model=None)
     from kvserve.bench.cli import add_bench_parser
     from kvserve.disagg.proxy_cli import add_proxy_parser
+    from kvserve.distributed.router_cli import add_router_parser
     from kvserve.planner.cli import add_plan_parser
 
     add_bench_parser(sub)
     add_plan_parser(sub)
     add_proxy_parser(sub)
+    add_router_parser(sub)
     return parser
 
 
