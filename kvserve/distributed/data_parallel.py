@@ -26,6 +26,7 @@ BACKENDS = ("mp", "ray")
 PLACEMENTS = {"spread": "SPREAD", "pack": "PACK", "strict-spread": "STRICT_SPREAD"}
 _OBJECT_STORE_BYTES = 100 * 2**20  # only small control messages go through it (Ray's minimum is 75 MiB)
 _PLACEMENT_TIMEOUT_S = 60.0
+_LOCAL_START_TRIES = 3
 _REPLICA_START_TIMEOUT_S = 600.0
 
 
@@ -84,9 +85,19 @@ def start_ray(address: str | None, num_cpus: float) -> bool:
     if address is not None:
         ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
         return False
-    ray.init(num_cpus=max(1, int(num_cpus + 0.999)), include_dashboard=False, object_store_memory=_OBJECT_STORE_BYTES,
-             _node_ip_address="127.0.0.1", runtime_env=runtime_env, logging_level=logging.WARNING)
-    return True
+    for attempt in range(_LOCAL_START_TRIES):
+        try:
+            ray.init(num_cpus=max(1, int(num_cpus + 0.999)), include_dashboard=False,
+                     object_store_memory=_OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
+                     logging_level=logging.WARNING)
+            return True
+        except (ray.exceptions.RaySystemError, ConnectionError) as e:
+            # NOTE: on a loaded host the driver's first GCS call can pass its deadline while the GCS starts
+            ray.shutdown()
+            if attempt + 1 == _LOCAL_START_TRIES:
+                raise
+            logger.warning("starting the local Ray cluster failed (%s); trying again", str(e).splitlines()[0])
+    raise AssertionError("unreachable")
 
 
 def _replica_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -10,8 +10,8 @@ blocks ``h``:
 2. Else the replica whose index holds the longest prefix of ``h`` (ties: the less loaded), if that prefix is
    at least ``cache_threshold`` of ``h`` and the replica's KV usage is under ``kv_usage_threshold``
    (reason ``prefix``).
-3. Else the least loaded, ties to the smallest index, so that new prefixes spread over the replicas
-   (reason ``least-loaded``).
+3. Else the replica with the smallest index (SGLang's smallest tree), ties to the less loaded, so that new
+   prefixes spread evenly over the replicas' caches (reason ``least-loaded``).
 
 The chosen replica's index then records ``h`` at once (before it answers), so that the next request with the
 same prefix follows it even while the first is still in flight. A replica that turns unhealthy forgets its
@@ -196,5 +196,7 @@ class ReplicaPool:
             if best is not None and matched[best.url] > 0 and \
                     matched[best.url] >= cfg.cache_threshold * len(hashes):
                 return Route(best, "prefix", matched[best.url])
-        b = min(order, key=lambda r: (r.load, len(self.indexes[r.url])))
+        # a new prefix: the replica caching least (SGLang's "smallest tree"), so that the tenants' prefixes
+        # spread evenly over the caches; load decides between equals (step 1 caught real imbalance)
+        b = min(order, key=lambda r: (len(self.indexes[r.url]), r.load))
         return Route(b, "least-loaded", matched[b.url])
