@@ -115,9 +115,13 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     """
     from aiohttp import web
 
+    from kvserve.config import EngineConfig
     from kvserve.distributed.router import Router
     from kvserve.distributed.router_cli import routing_config
+    from kvserve.entrypoints.openai.server import check_server_args
 
+    check_server_args(args)
+    EngineConfig.from_cli_args(args)  # a bad engine flag fails here, before Ray starts
     n = args.data_parallel_size
     threads = args.num_threads or 1
     local = start_ray(args.ray_address, n * threads)
@@ -141,7 +145,11 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         for i in range(n):
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
             actors.append(cls.options(scheduling_strategy=strategy, name=None).remote(_replica_args(args), i))
-        infos = ray.get([a.info.remote() for a in actors], timeout=_REPLICA_START_TIMEOUT_S)
+        try:
+            infos = ray.get([a.info.remote() for a in actors], timeout=_REPLICA_START_TIMEOUT_S)
+        except ray.exceptions.RayError as e:
+            print(f"error: a replica failed to start: {e}", file=sys.stderr, flush=True)
+            return 1
         for info in infos:
             print(f"[kvserve] replica {info['index']} on {info['url']} (node {info['node_ip']}, pid {info['pid']})",
                   file=sys.stderr, flush=True)

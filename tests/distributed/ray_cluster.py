@@ -1,7 +1,8 @@
 """A real 2-node Ray cluster on one machine for the data-parallel tests: the head on the host, a worker node in
 a network namespace joined by a veth pair (``10.213.0.1/30`` host side, ``10.213.0.2`` inside). Needs root and
 ``ip netns``; everything it creates (namespace, veth, Ray processes, temp dir) is removed on exit, failure
-included. Traffic stays on the machine: the namespace has no other link and no route out.
+included (a run killed before its cleanup, e.g. by SIGKILL, leaves its namespace and veth, named by its pid:
+the next run removes them). Traffic stays on the machine: the namespace has no other link and no route out.
 
 Both Ray nodes run in the foreground (``ray start --block``), so they are stopped by PID (SIGTERM: Ray's
 own shutdown of the node's processes), never by ``ray stop``, which would stop every Ray on the machine.
@@ -29,6 +30,16 @@ RAY = str(Path(sys.executable).parent / "ray")
 WORKER_PORTS = ("--min-worker-port", "20400", "--max-worker-port", "20499")
 
 
+def remove_stale() -> None:
+    """Remove the namespaces and veths of runs that were killed before their cleanup (their pid is gone)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in out.splitlines() if line.startswith("kvs-dp-")):
+        tag = name.removeprefix("kvs-dp-")
+        if tag.isdigit() and not Path(f"/proc/{tag}").exists():
+            subprocess.run(["ip", "link", "del", f"kvh{tag}"], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 def unavailable_reason() -> str | None:
     """Why the cluster cannot be built here (None: it can)."""
     if os.geteuid() != 0:
@@ -39,6 +50,7 @@ def unavailable_reason() -> str | None:
         return "ip netns is not available"
     if not Path(RAY).exists():
         return "needs Ray (pip install ray; the test extra has it)"
+    remove_stale()
     addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
     if HOST_IP in addrs:
         return f"{HOST_IP} is already assigned on this machine (another run of this test?)"
@@ -91,8 +103,8 @@ def _wait_nodes(cluster: Cluster, n: int, timeout_s: float = 60.0) -> None:
 @contextlib.contextmanager
 def two_node_cluster(cpus_per_node: int = 1) -> Iterator[Cluster]:
     """The cluster (see the module docstring); yields once both nodes are alive."""
-    tag = str(os.getpid() % 100000)
-    netns, veth_host, veth_ns = f"kvs-dp-{tag}", f"kvh{tag}", f"kvn{tag}"
+    tag = str(os.getpid())  # remove_stale() reads the owner's pid back from the names
+    netns, veth_host, veth_ns = f"kvs-dp-{tag}", f"kvh{tag}", f"kvn{tag}"  # interface names: 15 bytes at most
     # a short path: Ray's Unix sockets live under it (108 bytes at most)
     temp_dir = tempfile.mkdtemp(prefix="kvray", dir="/tmp")
     # token auth (Ray's default) with a token of this run's own, handed to every node, driver and replica

@@ -123,6 +123,12 @@ def test_dp2_across_two_nodes_serves_and_routes_by_prefix(deployment: Deployment
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
     assert "".join((e["choices"][0]["delta"].get("content") or "") for e in events[:-1] if e["choices"])
+    # bad input: the replica's 4xx, relayed
+    r = httpx.post(dep.url + "/v1/completions", content=b'{"prompt": ', timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    r = httpx.post(dep.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": -1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
     # distinct prefixes split across the replicas (one per node)
     before = _requests_by_replica(dep)
     for tenant in range(4):

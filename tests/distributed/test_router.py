@@ -229,3 +229,13 @@ def test_command_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert e.value.code == 2
     assert main(["router", "--replica", "http://127.0.0.1:1", "--port", "8000", "--cache-threshold", "2"]) == 2
     assert "cache_threshold" in capsys.readouterr().err
+
+
+def test_serve_refuses_bad_data_parallel_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """Checked before Ray or a model starts."""
+    assert main(["serve", "--data-parallel-size", "2", "--distributed-executor-backend", "mp"]) == 2
+    assert "distributed_executor_backend" in capsys.readouterr().err
+    assert main(["serve", "--data-parallel-size", "0"]) == 2
+    assert "data_parallel_size" in capsys.readouterr().err
+    assert main(["serve", "--data-parallel-size", "2", "--max-waiting-requests", "-1"]) == 2
+    assert "max_waiting_requests" in capsys.readouterr().err
