@@ -1,5 +1,6 @@
 """The proxy's backends: health, load (scraped from each backend's ``/metrics``), picking one, and the proxy's
-own Prometheus counters. Torch-free.
+own Prometheus counters. Torch-free. ``kvserve router`` (kvserve/distributed/router.py) shares ``Backend``,
+the scraping and the :class:`Pool` protocol with its own replica pool.
 
 A backend is healthy until a request to it or a scrape of it fails with a connection error (or its
 ``/health`` answers other than 200); it is then skipped until a ``/health`` scrape answers 200 again.
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 _RUNNING = {"kvserve:num_requests_running", "vllm:num_requests_running"}
 _WAITING = {"kvserve:num_requests_waiting", "vllm:num_requests_waiting"}
+_KV_USAGE = {"kvserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"}
 
 
 class ProxyMetrics:
@@ -60,6 +63,7 @@ class Backend:
         healthy: see the module docstring.
         inflight: this proxy's requests to it now.
         running, waiting: its scheduler's queues at the last scrape (sequences).
+        kv_usage: the fraction of its KV cache blocks in use at the last scrape (0..1).
     """
 
     url: str
@@ -68,11 +72,26 @@ class Backend:
     inflight: int = 0
     running: float = 0.0
     waiting: float = 0.0
+    kv_usage: float = 0.0
 
     @property
     def load(self) -> float:
         """In-flight + running + waiting (sequences)."""
         return self.inflight + self.running + self.waiting
+
+
+class Pool(Protocol):
+    """What the scraping and :func:`kvserve.disagg.proxy_http.upstream` need of a pool of backends."""
+
+    @property
+    def backends(self) -> Sequence[Backend]: ...
+
+    @property
+    def wants_load(self) -> bool:
+        """Whether a scrape reads ``/metrics`` too (routing by load)."""
+        ...
+
+    def set_health(self, backend: Backend, healthy: bool, why: str = "") -> None: ...
 
 
 @dataclass
@@ -118,24 +137,39 @@ class BackendPool:
         """Whether one backend of the pool is healthy."""
         return any(b.healthy for b in self.backends)
 
+    @property
+    def wants_load(self) -> bool:
+        """Least-loaded routing reads each backend's ``/metrics``."""
+        return self.routing == "least-loaded"
 
-def parse_load(text: str) -> tuple[float, float]:
-    """(running, waiting) sequences from a backend's Prometheus text (each summed over its labels).
+
+class EngineLoad(NamedTuple):
+    """A backend's load as its ``/metrics`` tells it."""
+
+    running: float  # sequences running, summed over labels
+    waiting: float  # sequences waiting
+    kv_usage: float  # fraction of KV cache blocks in use (0..1), the largest over labels
+
+
+def parse_load(text: str) -> EngineLoad:
+    """The load in a backend's Prometheus text.
 
     Raises:
         ValueError: the text is not Prometheus' exposition format.
     """
-    running = waiting = 0.0
+    running = waiting = kv_usage = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in _RUNNING:
                 running += s.value
             elif s.name in _WAITING:
                 waiting += s.value
-    return running, waiting
+            elif s.name in _KV_USAGE:
+                kv_usage = max(kv_usage, s.value)
+    return EngineLoad(running, waiting, kv_usage)
 
 
-async def scrape(session: aiohttp.ClientSession, pool: BackendPool, backend: Backend, want_load: bool,
+async def scrape(session: aiohttp.ClientSession, pool: Pool, backend: Backend, want_load: bool,
                  timeout_s: float) -> None:
     """Probe one backend: ``/health`` (200: healthy; a connection error or another status: unhealthy), then,
     when healthy and ``want_load``, ``/metrics`` for its load. A timeout leaves its state as it was."""
@@ -150,7 +184,7 @@ async def scrape(session: aiohttp.ClientSession, pool: BackendPool, backend: Bac
             text = await r.text()
             if r.status != 200:
                 return
-        backend.running, backend.waiting = parse_load(text)
+        backend.running, backend.waiting, backend.kv_usage = parse_load(text)
     except TimeoutError:
         return
     except aiohttp.ClientError as e:
@@ -159,15 +193,17 @@ async def scrape(session: aiohttp.ClientSession, pool: BackendPool, backend: Bac
         logger.warning("%s instance %s: unreadable /metrics (%s)", backend.role, backend.url, e)
 
 
-async def scrape_all(session: aiohttp.ClientSession, pools: Iterable[BackendPool], timeout_s: float) -> None:
+async def scrape_all(session: aiohttp.ClientSession, pools: Iterable[Pool], timeout_s: float) -> None:
     """One scrape of every backend of ``pools``, concurrently."""
-    await asyncio.gather(*(scrape(session, pool, b, pool.routing == "least-loaded", timeout_s)
+    await asyncio.gather(*(scrape(session, pool, b, pool.wants_load, timeout_s)
                            for pool in pools for b in pool.backends))
 
 
-async def scrape_forever(session: aiohttp.ClientSession, pools: list[BackendPool], interval_s: float) -> None:
-    """Scrape every ``interval_s`` seconds until cancelled."""
-    timeout_s = max(2.0, 4 * interval_s)
+async def scrape_forever(session: aiohttp.ClientSession, pools: Sequence[Pool], interval_s: float,
+                         timeout_s: float | None = None) -> None:
+    """Scrape every ``interval_s`` seconds until cancelled; one probe may take ``timeout_s`` (default
+    ``max(2, 4 * interval_s)``) before it is left as it was."""
+    timeout_s = timeout_s if timeout_s is not None else max(2.0, 4 * interval_s)
     while True:
         await asyncio.sleep(interval_s)
         try:

@@ -17,6 +17,30 @@ from kvserve.errors import InvalidRequestError
 ROUTINGS = ("least-loaded", "round-robin")
 
 
+def check_base_urls(flag: str, urls: tuple[str, ...]) -> None:
+    """Raises InvalidRequestError naming ``flag``: no URL, one that is not a base URL (``http://host:port``, no
+    path, query or fragment), a bad port, or a URL listed twice."""
+    if not urls:
+        raise InvalidRequestError(f"{flag}: give at least one URL", param=flag)
+    for u in urls:
+        parts = urllib.parse.urlsplit(u)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+                or parts.query or parts.fragment:
+            raise InvalidRequestError(f"{flag}: {u!r} is not a base URL such as http://127.0.0.1:8100", param=flag)
+        try:
+            parts.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError:
+            raise InvalidRequestError(f"{flag}: {u!r} has a bad port", param=flag) from None
+    if len(set(urls)) != len(urls):
+        raise InvalidRequestError(f"{flag}: a URL is listed twice", param=flag)
+
+
+def check_seconds(name: str, value: float) -> None:
+    """Raises InvalidRequestError naming ``name`` unless ``value`` is a positive finite number of seconds."""
+    if not value > 0 or value == float("inf"):
+        raise InvalidRequestError(f"{name}: must be a positive number of seconds, got {value}", param=name)
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """What the proxy runs with.
@@ -40,27 +64,12 @@ class ProxyConfig:
         """Raises InvalidRequestError naming the flag: no or a malformed or repeated URL, an unknown routing, a
         non-positive interval or timeout."""
         for flag, urls in (("prefill", self.prefill), ("decode", self.decode)):
-            if not urls:
-                raise InvalidRequestError(f"{flag}: give at least one URL", param=flag)
-            for u in urls:
-                parts = urllib.parse.urlsplit(u)
-                if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
-                        or parts.query or parts.fragment:
-                    raise InvalidRequestError(f"{flag}: {u!r} is not a base URL such as http://127.0.0.1:8100",
-                                              param=flag)
-                try:
-                    parts.port  # noqa: B018 - raises ValueError for a bad port
-                except ValueError:
-                    raise InvalidRequestError(f"{flag}: {u!r} has a bad port", param=flag) from None
-            if len(set(urls)) != len(urls):
-                raise InvalidRequestError(f"{flag}: a URL is listed twice", param=flag)
+            check_base_urls(flag, urls)
         if self.routing not in ROUTINGS:
             raise InvalidRequestError(f"routing: {self.routing!r} is not one of {', '.join(ROUTINGS)}",
                                       param="routing")
-        for name, value in (("metrics_interval", self.metrics_interval_s),
-                            ("request_timeout", self.request_timeout_s)):
-            if not value > 0 or value == float("inf"):
-                raise InvalidRequestError(f"{name}: must be a positive number of seconds, got {value}", param=name)
+        check_seconds("metrics_interval", self.metrics_interval_s)
+        check_seconds("request_timeout", self.request_timeout_s)
 
     @classmethod
     def from_urls(cls, prefill: list[str], decode: list[str], **kwargs: Any) -> ProxyConfig:

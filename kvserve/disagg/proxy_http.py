@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvserve.disagg.proxy_backends import Backend, BackendPool
+from kvserve.disagg.proxy_backends import Backend, Pool
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,11 @@ def failure_response(e: UpstreamError | Relayed) -> web.Response:
 
 
 @contextlib.asynccontextmanager
-async def upstream(session: aiohttp.ClientSession, pool: BackendPool, backend: Backend, method: str, path: str,
-                   body: dict[str, Any] | None, headers: dict[str, str], timeout: aiohttp.ClientTimeout
-                   ) -> AsyncIterator[aiohttp.ClientResponse]:
-    """One request to a backend, counted in its in-flight load while it lasts.
+async def upstream(session: aiohttp.ClientSession, pool: Pool, backend: Backend, method: str, path: str,
+                   body: dict[str, Any] | None, headers: dict[str, str], timeout: aiohttp.ClientTimeout,
+                   data: bytes | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+    """One request to a backend, counted in its in-flight load while it lasts: ``body`` as JSON, or ``data``
+    (bytes sent as they are, as ``application/json``) when given.
 
     Leaving the block by an exception (a cancel included) closes the connection, so the backend aborts the
     request.
@@ -95,7 +96,10 @@ async def upstream(session: aiohttp.ClientSession, pool: BackendPool, backend: B
     role = backend.role
     backend.inflight += 1
     try:
-        async with session.request(method, backend.url + path, json=body, headers=headers, timeout=timeout) as resp:
+        if data is not None:
+            headers = {**headers, "Content-Type": "application/json"}
+        async with session.request(method, backend.url + path, json=body if data is None else None, data=data,
+                                   headers=headers, timeout=timeout) as resp:
             try:
                 yield resp
             except BaseException:

@@ -1,12 +1,14 @@
 """The ``kvserve`` command: ``generate`` (offline completion), ``serve`` (OpenAI server), ``bench`` (benchmarks,
 docs/benchmarking.md), ``plan`` (capacity planner, docs/planner.md) and ``proxy`` (the prefill/decode
-disaggregation proxy, kvserve/disagg/proxy.py).
+disaggregation proxy, kvserve/disagg/proxy.py) and ``router`` (the data-parallel router, docs/distributed.md).
 
     kvserve generate --model smollm2-135m-instruct --prompt "The capital of France is" --max-tokens 32
     kvserve serve smollm2-135m-instruct --port 8000
+    kvserve serve smollm2-135m-instruct --port 8000 --data-parallel-size 2 --num-threads 1   # replicas on Ray
     kvserve bench serve --model smollm2-135m-instruct --dataset sharegpt --sweep 1,4,16 --slo-ttft-p95 2
     kvserve plan --model smollm2-135m-instruct --memory-gib 2
     kvserve proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+    kvserve router --replica http://127.0.0.1:8100 http://127.0.0.1:8200 --port 8000
 """
 
 from __future__ import annotations
@@ -80,16 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.entrypoints.openai.server import add_server_args
 
     add_server_args(serve)
+    from kvserve.distributed.data_parallel import add_data_parallel_args
+    from kvserve.distributed.router_cli import add_routing_args
+
+    add_data_parallel_args(serve)
+    add_routing_args(serve)
     # --model defaults to None here, so that cmd_serve can tell `--model DEFAULT` (a conflict with MODEL) from no
     # --model; cmd_serve puts the default in
     serve.set_defaults(func=cmd_serve, model=None)
     from kvserve.bench.cli import add_bench_parser
     from kvserve.disagg.proxy_cli import add_proxy_parser
+    from kvserve.distributed.router_cli import add_router_parser
     from kvserve.planner.cli import add_plan_parser
 
     add_bench_parser(sub)
     add_plan_parser(sub)
     add_proxy_parser(sub)
+    add_router_parser(sub)
     return parser
 
 
@@ -103,6 +112,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     elif args.model is None:
         args.model = EngineConfig().model
+    from kvserve.distributed.data_parallel import check_data_parallel_args
+
+    if check_data_parallel_args(args):
+        from kvserve.distributed.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     return run_server(args)
 
 

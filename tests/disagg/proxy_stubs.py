@@ -59,6 +59,7 @@ class Stub:
     released: list[str] = field(default_factory=list)
     released_event: asyncio.Event = field(default_factory=asyncio.Event)
     zmq_port: int = 0
+    shutdown_timeout_s: float = 60.0  # how long stop() lets handlers finish before it closes their connections
     _runner: web.AppRunner | None = None
     _pinned: int = 0
 
@@ -229,7 +230,8 @@ class Stub:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def serve(self) -> AsyncIterator[Stub]:
+    async def serve(self, port: int = 0) -> AsyncIterator[Stub]:
+        """Serve on ``port`` (0: a free one; a stopped stub's port brings it back at the same URL)."""
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
@@ -241,9 +243,10 @@ class Stub:
         sock.setsockopt(zmq.LINGER, 0)
         self.zmq_port = sock.bind_to_random_port("tcp://127.0.0.1")
         router = asyncio.ensure_future(self._zmq_router(sock))
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.shutdown_timeout_s)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
         try:

@@ -266,17 +266,26 @@ def build_context(args: argparse.Namespace) -> ServerContext:
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
 
 
+def check_server_args(args: argparse.Namespace) -> None:
+    """The server flags' checks that need no model (so that a bad one fails before any model loads).
+
+    Raises:
+        InvalidRequestError: naming the flag.
+    """
+    if args.max_waiting_requests < 0:
+        raise InvalidRequestError("max_waiting_requests: must be >= 0", param="max_waiting_requests")
+    if args.chat_template is not None:
+        load_chat_template(args.chat_template)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InvalidRequestError("enable_auto_tool_choice: --enable-auto-tool-choice requires --tool-call-parser",
+                                  param="tool_call_parser")
+
+
 def run_server(args: argparse.Namespace) -> int:
     """``kvserve serve``: load the model, then serve until interrupted. Returns the exit code."""
     import uvicorn
 
-    if args.max_waiting_requests < 0:
-        raise InvalidRequestError("max_waiting_requests: must be >= 0", param="max_waiting_requests")
-    if args.chat_template is not None:
-        load_chat_template(args.chat_template)  # a bad template fails before the model loads
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise InvalidRequestError("enable_auto_tool_choice: --enable-auto-tool-choice requires --tool-call-parser",
-                                  param="tool_call_parser")
+    check_server_args(args)
     ctx = build_context(args)
     app = build_app(ctx, cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
                                "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials})
