@@ -82,7 +82,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "int8_gemm": (ctypes.c_int, [_PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "int8_gemm_features": (ctypes.c_int, []),
     "int8_packed_nbytes": (_I64, [_I64, _I64]),
-    "int8_quantize_rows": (None, [_PTR, ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR]),
+    "int8_quantize_rows": (None, [_PTR, ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
 }
 
 
@@ -432,10 +432,10 @@ def int8_features(lib: ctypes.CDLL | None = None) -> set[str]:
 
 def int8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
               lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` with W int8 in ``int8.pack_int8``'s layout, x quantized per row on the fly.
+    """``x @ W^T (+ bias)`` with W int8 in ``int8.pack_int8``'s layout, x quantized per token and group of 32.
 
     Args:
-        x: ``[M, K]`` float32 or bfloat16 (a strided view is copied to contiguous first), K <= 65,536.
+        x: ``[M, K]`` float32 or bfloat16 (a strided view is copied to contiguous first).
         packed: the ``[int8.packed_nbytes(n, K)]`` uint8 buffer of an ``[n, K]`` weight.
         n: output features.
         bias: ``[n]`` float32 or None.
@@ -443,7 +443,7 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor 
     Returns:
         ``[M, n]`` in x's dtype, bitwise ``int8.int8_linear_reference``.
     Raises:
-        RuntimeError: the kernels are unavailable, scratch memory could not be allocated, or K is too large.
+        RuntimeError: the kernels are unavailable, scratch memory could not be allocated, or K is over 2^24.
     """
     lib = lib or _lib()
     x = x.contiguous()
@@ -454,16 +454,18 @@ def int8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor 
     rc = lib.int8_gemm(x.data_ptr(), _bf16_flag(x), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                        out.data_ptr(), m, n, k, torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"int8_gemm failed with code {rc}" + (f" (K = {k} > 65,536)" if rc == -2 else ""))
+        raise RuntimeError(f"int8_gemm failed with code {rc}" + (f" (K = {k} > 2^24)" if rc == -2 else ""))
     return out
 
 
 def int8_quantize_rows(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's activation quantization alone (tests): ``[M, K]`` float32/bfloat16 -> (int8 ``[M, K]``,
-    float32 ``[M]`` scales)."""
+    """The kernel's activation quantization alone (tests): ``[M, K]`` float32/bfloat16 -> (int8 ``[M, Kp]``,
+    float32 ``[M, Kp / 32]`` scales), ``Kp`` = K rounded up to 32 (``int8.quantize_rows``'s shapes)."""
     x = x.contiguous()
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.int8)
-    scales = torch.empty(m, dtype=torch.float32)
-    (lib or _lib()).int8_quantize_rows(x.data_ptr(), _bf16_flag(x), m, k, k, q.data_ptr(), scales.data_ptr())
+    kp = -(-k // 32) * 32
+    q = torch.empty(m, kp, dtype=torch.int8)
+    scales = torch.empty(m, kp // 32, dtype=torch.float32)
+    (lib or _lib()).int8_quantize_rows(x.data_ptr(), _bf16_flag(x), m, k, kp, q.data_ptr(), scales.data_ptr(), None,
+                                       torch.get_num_threads())
     return q, scales

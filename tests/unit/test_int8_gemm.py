@@ -41,10 +41,15 @@ def _lib_for(path: str) -> object:
 
 
 def _int_reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """An independent oracle: int64 sums of the int8 products, then the kernel's float32 epilogue."""
+    """An independent oracle: int64 sums of each group's int8 products, then the kernel's float32 epilogue."""
     xq, xs = int8.quantize_rows(x)
-    acc = (xq.long()[:, None, :] * q.long()[None, :, :]).sum(-1)  # [M, N], exact
-    out = acc.float() * (xs[:, None] * w_scale[None, :])
+    m, kp = xq.shape
+    qp = F.pad(q, (0, kp - q.shape[1])).long().view(q.shape[0], -1, int8.GROUP)  # [N, G, 32]
+    acc = (xq.long().view(m, 1, -1, int8.GROUP) * qp[None]).sum(-1)  # [M, N, G], exact
+    out = torch.zeros(m, q.shape[0])
+    for g in range(acc.shape[2]):
+        out = out + acc[:, :, g].float() * xs[:, g:g + 1]
+    out = out * w_scale[None, :]
     return (out if bias is None else out + bias).to(x.dtype)
 
 
@@ -53,7 +58,7 @@ def _int_reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, bias
 @pytest.mark.parametrize("n,k", [(33, 37), (7, 100), (130, 576), (67, 1538)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_gemm_equals_reference(path: str, m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    """K not a multiple of 4 / 32 / 64, N not a multiple of 16, M past one token group of 8."""
+    """K not a multiple of 4 / 32 / 64, N not a multiple of 16, M past one token group of 8 (2 on AVX2)."""
     lib = _lib_for(path)
     g = torch.Generator().manual_seed(m * 10_000 + n * 10 + k)
     x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).to(dtype)
@@ -71,7 +76,7 @@ def test_int8_gemm_equals_reference(path: str, m: int, n: int, k: int, dtype: to
 @pytest.mark.parametrize("path", ["vnni", "avx2", "portable"])
 def test_extreme_codes_do_not_saturate(path: str) -> None:
     """Every product at +-127 * +-127 (the AVX2 path's int16 pair sums at their largest, 32,258; the VNNI path's
-    u8 offset at 255), rows of zeros (scale 0), and K up to the down projection's 1,536."""
+    unsigned weight bytes at 255 and 1), rows of zeros (scale 0), and K up to the down projection's 1,536."""
     lib = _lib_for(path)
     k, n = 1536, 20
     x = torch.full((3, k), 2.0)
@@ -91,13 +96,18 @@ def test_extreme_codes_do_not_saturate(path: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_quantization_matches_torch(dtype: torch.dtype) -> None:
     """``int8_quantize_rows`` (C) and ``int8.quantize_rows`` (torch) give the same codes and scales, including at
-    ties of ``x * 127 / amax`` (bf16 inputs hit them often; torch's scalar division would miss some)."""
+    ties of ``x * 127 / amax`` (bf16 inputs hit them often; torch's scalar division would miss some), one scale
+    per token and group of 32 features (the last group zero-padded)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(257, 301, generator=g) * torch.rand(257, 1, generator=g) * 10).to(dtype)
+    x[3, 64:96] = 0.0  # an all-zero group: scale 0, codes 0
     q, s = cpu_kernels.int8_quantize_rows(x)
     rq, rs = int8.quantize_rows(x)
+    assert q.shape == (257, 320) and s.shape == (257, 10)
     assert torch.equal(q, rq) and torch.equal(s, rs)
-    assert q.abs().max() == 127 and torch.equal(q.abs().amax(dim=1), torch.full((257,), 127, dtype=torch.int8))
+    assert s[3, 2] == 0 and torch.all(q[3, 64:96] == 0) and torch.all(q[:, 301:] == 0)
+    groups = q.view(257, 10, 32).abs().amax(dim=2)
+    assert torch.all((groups == 127) | (s == 0))
 
 
 def test_pack_unpack_round_trip_and_quantization_error() -> None:
@@ -105,7 +115,7 @@ def test_pack_unpack_round_trip_and_quantization_error() -> None:
     w = torch.randn(45, 70, generator=g)
     q, scale = int8.quantize_weight(w)
     packed = int8.pack_int8(q, scale)
-    assert packed.numel() == int8.packed_nbytes(45, 70) == 48 * 72 + 48 * 8
+    assert packed.numel() == int8.packed_nbytes(45, 70) == 48 * 96 + 48 * 4
     q2, s2 = int8.unpack_int8(packed, 45, 70)
     assert torch.equal(q, q2) and torch.equal(scale, s2)
     err = (q.float() * scale[:, None] - w).abs()
