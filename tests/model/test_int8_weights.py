@@ -54,6 +54,12 @@ def test_int8_model_layout(tiny_model: Path) -> None:
     assert model.embed_tokens.weight.dtype == torch.float32  # lookups in the model dtype, even when tied
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert model.lm_head.packed.numel() == packed_nbytes(600, 128)
+    # the planner's int8 weight bytes are the served model's, exactly
+    from kvserve.planner.model_info import load_model_info
+
+    served = sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
+                 if not name.startswith("rotary."))
+    assert load_model_info(str(tiny_model)).int8_weight_bytes(4) == served
     float_llm = LLM(str(tiny_model), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32")
     assert llm.engine.fingerprint != float_llm.engine.fingerprint  # int8 KV never served to the float model
     # per-channel int8 of a random model: the first greedy tokens mostly follow the float model's
