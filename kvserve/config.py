@@ -13,6 +13,7 @@ from kvserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("int8",)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -39,6 +40,10 @@ class EngineConfig:
         kv_cache_dtype: ``auto`` (the model dtype) | ``float32`` | ``bfloat16`` | ``int8`` | ``fp8`` (=
             ``fp8_e4m3``): the 8-bit formats store a float32 scale per token and KV head with the codes
             (``layers/kv_quant.py``); the block count of a budget nearly doubles against bfloat16.
+        quantization: None (weights in ``dtype``) | ``int8``: the decoder layers' projections and the LM head
+            as per-output-channel symmetric int8 with float32 scales, quantized at load from the checkpoint's
+            float32 tensors; activations quantized per token at each call (docs/quantization.md). The
+            embedding table and the norms keep ``dtype``.
         device: ``auto`` | ``cpu`` | ``cuda`` (``auto``: CUDA when present).
         max_model_len: longest sequence (prompt + output) in tokens; None: the model's own limit.
         block_size: tokens per KV block.
@@ -88,6 +93,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
@@ -128,6 +134,8 @@ class EngineConfig:
                  f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                  f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+                 f"must be None or one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _require(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  f"must be >= 2, got {self.max_model_len}")
@@ -166,6 +174,9 @@ class EngineConfig:
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                        help="KV cache dtype; auto: the model dtype; int8 / fp8 (= fp8_e4m3): 8 bits with a "
                             "float32 scale per token and KV head")
+        g.add_argument("--quantization", default=None,
+                       help="int8: int8 weights (per output channel, quantized at load) and int8 activations "
+                            "(per token) in every linear of the decoder and the LM head")
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--block-size", type=int, default=d.block_size)

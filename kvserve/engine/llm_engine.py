@@ -70,14 +70,14 @@ PromptType = str | list[int] | dict[str, Any]
 
 def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokenizer | None,
                       kv_dtype: torch.dtype, model_dtype: torch.dtype | None = None,
-                      compute_dtype: torch.dtype | None = None) -> str:
+                      compute_dtype: torch.dtype | None = None, quantization: str | None = None) -> str:
     """A sha256 hex digest naming everything that decides a KV block's contents besides its tokens.
 
     Covers the weights (the sha256 of each weight file's contents, so that the same model installed at
     another path or on another host shares KV through a Redis tier, while any changed byte does not), the
-    architecture config, the tokenizer (its full serialized form), the KV dtype, the weights' dtype and the
-    activations' dtype (None: the KV dtype). Mixed into every prefix-cache block hash, so KV computed by
-    one model can never be served to a request of another.
+    architecture config, the tokenizer (its full serialized form), the KV dtype, the weights' dtype, the
+    activations' dtype (None: the KV dtype) and the weight quantization (``int8``). Mixed into every
+    prefix-cache block hash, so KV computed by one model can never be served to a request of another.
     """
     files = sorted(model_path.iterdir()) if model_path.is_dir() else [model_path]
     weights = sorted(file_digest(f) for f in files if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
@@ -88,6 +88,7 @@ def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokeni
         "kv_dtype": str(kv_dtype),
         **({"model_dtype": str(model_dtype)} if model_dtype not in (None, kv_dtype) else {}),
         **({"compute_dtype": str(compute_dtype)} if compute_dtype not in (None, kv_dtype) else {}),
+        **({"quantization": quantization} if quantization else {}),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -255,7 +256,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is off", param="max_num_batched_tokens")
-        model = build_model(arch, weights, self.max_model_len, self.dtype, self.device, self.compute_dtype)
+        model = build_model(arch, weights, self.max_model_len, self.dtype, self.device, self.compute_dtype,
+                            quantization=config.quantization)
         del weights
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init:
@@ -266,7 +268,7 @@ class LLMEngine:
         self.num_blocks = self._num_blocks(model)
         self._fit_max_model_len_to_cache()
         self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.kv_dtype, self.dtype,
-                                             self.compute_dtype)
+                                             self.compute_dtype, config.quantization)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.prefix_caching_hash_algo, self.fingerprint)
         num_host_blocks = 0

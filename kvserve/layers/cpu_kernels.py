@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the system C compiler and called through ctypes.
 
-Six sources under ``csrc/`` build one shared library:
+Seven sources under ``csrc/`` build one shared library:
 
 * ``small_gemm.c``: the linear layers and the LM head at small M (decode): weights streamed at the memory
   bandwidth, float32 or bfloat16 weights, AVX2/AVX-512 FMA or AVX512-BF16 dot products;
@@ -11,12 +11,14 @@ Six sources under ``csrc/`` build one shared library:
   the paged cache in place, flash-attention style; AVX512-BF16 dot products on bf16 inputs where available;
   8-bit caches widened tile by tile into L1;
 * ``fused_ops.c``: RMSNorm + residual add, SiLU·mul, rotary + KV-cache write, one call each;
+* ``int8_gemm.c``: the linear layers with int8 weights (``--quantization int8``, ``int8.py``): activations
+  quantized per token, AVX512-VNNI ``vpdpbusd`` or AVX2 ``vpmaddubsw`` int32 dot products;
 * ``decode_step.c``: all layers of a pure-decode step in one call, chaining the kernels above (no Python
   between kernels: at batch 1 the gaps cost ~30 % of the step).
 
-Each has a torch reference path (``F.linear``, ``attention.py``, ``layernorm.py``/``rotary.py``), which
-is also the oracle the kernels are tested against, and which callers use when the library is unavailable:
-no C compiler, a failed build, CUDA tensors, or ``KVSERVE_DISABLE_NATIVE=1``.
+Each has a torch reference path (``F.linear``, ``int8.int8_linear_reference``, ``attention.py``,
+``layernorm.py``/``rotary.py``), which is also the oracle the kernels are tested against, and which callers
+use when the library is unavailable: no C compiler, a failed build, CUDA tensors, or ``KVSERVE_DISABLE_NATIVE=1``.
 
 The library is built with ``-march=native`` (``KVSERVE_NATIVE_MARCH`` overrides it, e.g. ``x86-64-v3`` to
 force the AVX2 path on an AVX-512 host), linked with OpenMP: at run time it binds to the ``libgomp.so.1``
@@ -52,11 +54,13 @@ _SOURCES = {  # file -> its own flags (fast-math only where reductions must reor
     "fused_ops.c": ["-ffp-contract=off"],
     "decode_step.c": [],
     "prefill_attention.c": ["-ffp-contract=fast"],  # (no fast-math: its exp rounds with the 1.5*2^23 trick)
+    "int8_gemm.c": ["-ffp-contract=off"],  # (its float epilogue must equal the torch reference's bits)
 }
 _COMMON = ["-O3", "-fPIC", "-fopenmp"]
 _LIBS = ["-lm", "-lmvec"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+WEIGHT_FMT_INT8 = 2  # decode_step's weight_fmt for int8 weights (0 float32, 1 bfloat16)
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "small_gemm": (ctypes.c_int, [_PTR, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "small_gemm_features": (ctypes.c_int, []),
@@ -75,6 +79,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "paged_prefill_attention": (ctypes.c_int, [_PTR, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR,
                                                _PTR, _PTR, _I64, _I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64]),
     "prefill_attention_features": (ctypes.c_int, []),
+    "int8_gemm": (ctypes.c_int, [_PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
+    "int8_gemm_features": (ctypes.c_int, []),
+    "int8_packed_nbytes": (_I64, [_I64, _I64]),
+    "int8_quantize_rows": (None, [_PTR, ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
 }
 
 
@@ -308,14 +316,15 @@ def rope_write_kv8(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                intermediate_size: int, eps: float, scale: float, weights_bf16: bool, kv_fmt: int = 0) -> torch.Tensor:
+                intermediate_size: int, eps: float, scale: float, weight_fmt: int, kv_fmt: int = 0) -> torch.Tensor:
     """Every decoder layer of a pure-decode step, then the final norm, in one native call.
 
     Args:
         x: ``[M, H]`` float32 or bfloat16 embeddings of the M decode tokens (one per sequence), contiguous;
             its dtype is the activations' (used as scratch).
         layer_ptrs: ``[num_layers, 9]`` int64 addresses (see ``decode_step.c``): norm weights in x's dtype,
-            float32 biases, float32 or bfloat16 projection weights (``weights_bf16``), K/V caches in x's dtype
+            float32 biases, projection weights by ``weight_fmt``: 0 float32, 1 bfloat16, 2 int8 (``int8.pack_int8``'s
+            buffers; ``WEIGHT_FMT_INT8``), K/V caches in x's dtype
             (``kv_fmt`` 0) or 8-bit (``kv_fmt`` 2 int8, 3 fp8: ``kv_quant.format_code``).
         final_norm: ``[H]`` in x's dtype. positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables
             ``[M, max_blocks]`` int64. cos, sin: ``[max_position, head_dim]`` float32.
@@ -332,7 +341,7 @@ def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Ten
         x.data_ptr(), out.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
         positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         block_tables.shape[1], block_size, cos.data_ptr(), sin.data_ptr(), m, h, num_heads, num_kv_heads,
-        head_dim, intermediate_size, eps, scale, int(weights_bf16), _bf16_flag(x), kv_fmt, torch.get_num_threads())
+        head_dim, intermediate_size, eps, scale, weight_fmt, _bf16_flag(x), kv_fmt, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"decode_step failed with code {rc}")
     return out
@@ -412,3 +421,51 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         reason = "out of memory" if rc == -1 else "an argument out of range"
         raise RuntimeError(f"paged_prefill_attention failed ({reason}, code {rc})")
     return out
+
+
+def int8_features(lib: ctypes.CDLL | None = None) -> set[str]:
+    """The int8 GEMM path compiled in: ``{"avx512_vnni"}`` (``vpdpbusd``), ``{"avx2"}`` (``vpmaddubsw``) or
+    empty (portable C)."""
+    f = (lib or _lib()).int8_gemm_features()
+    return {1: {"avx512_vnni"}, 2: {"avx2"}}.get(f, set())
+
+
+def int8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+              lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with W int8 in ``int8.pack_int8``'s layout, x quantized per token and group of 32.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16 (a strided view is copied to contiguous first).
+        packed: the ``[int8.packed_nbytes(n, K)]`` uint8 buffer of an ``[n, K]`` weight.
+        n: output features.
+        bias: ``[n]`` float32 or None.
+        lib: a library from ``build_library`` (tests); default: the process's library.
+    Returns:
+        ``[M, n]`` in x's dtype, bitwise ``int8.int8_linear_reference``.
+    Raises:
+        RuntimeError: the kernels are unavailable, scratch memory could not be allocated, or K is over 2^24.
+    """
+    lib = lib or _lib()
+    x = x.contiguous()
+    m, k = x.shape
+    assert packed.dtype == torch.uint8 and packed.is_contiguous() and packed.numel() == lib.int8_packed_nbytes(n, k)
+    assert bias is None or (bias.dtype == torch.float32 and bias.numel() == n)
+    out = torch.empty(m, n, dtype=x.dtype)
+    rc = lib.int8_gemm(x.data_ptr(), _bf16_flag(x), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                       out.data_ptr(), m, n, k, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"int8_gemm failed with code {rc}" + (f" (K = {k} > 2^24)" if rc == -2 else ""))
+    return out
+
+
+def int8_quantize_rows(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization alone (tests): ``[M, K]`` float32/bfloat16 -> (int8 ``[M, Kp]``,
+    float32 ``[M, Kp / 32]`` scales), ``Kp`` = K rounded up to 32 (``int8.quantize_rows``'s shapes)."""
+    x = x.contiguous()
+    m, k = x.shape
+    kp = -(-k // 32) * 32
+    q = torch.empty(m, kp, dtype=torch.int8)
+    scales = torch.empty(m, kp // 32, dtype=torch.float32)
+    (lib or _lib()).int8_quantize_rows(x.data_ptr(), _bf16_flag(x), m, k, kp, q.data_ptr(), scales.data_ptr(), None,
+                                       torch.get_num_threads())
+    return q, scales

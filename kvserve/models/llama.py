@@ -18,6 +18,7 @@ from torch import nn
 
 from kvserve.layers import cpu_kernels
 from kvserve.layers.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.layers.int8 import Int8Linear
 from kvserve.layers.kv_quant import format_code, is_kv8
 from kvserve.layers.layernorm import RMSNorm
 from kvserve.layers.linear import Linear, small_m_max, use_native
@@ -124,14 +125,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: Linear | Int8Linear = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Whole decode steps in one native call where possible (see ``_can_fuse_decode``); tests switch it
         # off to compare with the per-layer path.
         self.fuse_decode = True
         self._layer_ptrs: tuple[tuple[int, int], torch.Tensor] | None = None
         self._layer_keepalive: list[torch.Tensor] = []
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            cast(Linear, self.lm_head).weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -169,10 +170,10 @@ class LlamaForCausalLM(nn.Module):
                 if bias is not None:  # the kernel takes float32 biases (as Linear passes them)
                     bias = bias.detach().float()
                     biases.append(bias)
-                rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.weight.data_ptr(),
-                             0 if bias is None else bias.data_ptr(), attn.o_proj.weight.data_ptr(),
-                             layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up_proj.weight.data_ptr(),
-                             mlp.down_proj.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()])
+                rows.append([layer.input_layernorm.weight.data_ptr(), _weight_ptr(attn.qkv_proj),
+                             0 if bias is None else bias.data_ptr(), _weight_ptr(attn.o_proj),
+                             layer.post_attention_layernorm.weight.data_ptr(), _weight_ptr(mlp.gate_up_proj),
+                             _weight_ptr(mlp.down_proj), k_cache.data_ptr(), v_cache.data_ptr()])
             self._layer_ptrs = (key, torch.tensor(rows, dtype=torch.int64))
             self._layer_keepalive = biases
         cfg = self.config
@@ -181,8 +182,30 @@ class LlamaForCausalLM(nn.Module):
             x.contiguous(), self._layer_ptrs[1], self.norm.weight, positions, meta.slot_mapping, block_tables,
             seq_lens, kv_caches[0][0].shape[1], self.rotary.cos, self.rotary.sin, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cast(DecoderLayer, self.layers[0]).self_attn.scale, self.embed_tokens.weight.dtype == torch.bfloat16,
+            cast(DecoderLayer, self.layers[0]).self_attn.scale, self._weight_fmt(),
             format_code(kv_caches[0][0]) if is_kv8(kv_caches[0][0].dtype) else 0)
+
+    def _weight_fmt(self) -> int:
+        """decode_step's weight code of the decoder layers' projections: 0 float32, 1 bfloat16, 2 int8."""
+        qkv = cast(DecoderLayer, self.layers[0]).self_attn.qkv_proj
+        if isinstance(qkv, Int8Linear):
+            return cpu_kernels.WEIGHT_FMT_INT8
+        return int(qkv.weight.dtype == torch.bfloat16)
+
+    def use_int8_weights(self, lm_head: bool = True) -> None:
+        """``--quantization int8``: replace every projection of the decoder layers (and the LM head, unless
+        ``lm_head`` is False) by an ``Int8Linear``, before the weights are loaded (``load_weights`` then
+        quantizes each float tensor as it arrives). Call on the meta device, so that no float storage is
+        ever allocated for them. A tied LM head stops sharing the embedding: the table keeps the model
+        dtype for lookups; the head holds its own int8 copy."""
+        targets: list[tuple[nn.Module, str]] = [(self, "lm_head")] if lm_head else []
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            targets += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                        (layer.mlp, "down_proj")]
+        for parent, name in targets:
+            old = getattr(parent, name)
+            assert isinstance(old, nn.Linear)
+            setattr(parent, name, Int8Linear(old.in_features, old.out_features, bias=old.bias is not None))
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -208,6 +231,11 @@ class LlamaForCausalLM(nn.Module):
             return weights[name]
 
         def put(name: str, value: torch.Tensor) -> None:
+            module_name, _, leaf = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, Int8Linear) and leaf == "weight":
+                module.load_weight(value)  # quantized from the checkpoint's float tensor
+                return
             p = params[name]
             if p.shape != value.shape:
                 raise ValueError(f"weight {name}: expected shape {tuple(p.shape)}, got {tuple(value.shape)}")
@@ -216,8 +244,9 @@ class LlamaForCausalLM(nn.Module):
 
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))
-        if not cfg.tie_word_embeddings:
-            put("lm_head.weight", take("lm_head.weight"))
+        if not cfg.tie_word_embeddings or isinstance(self.lm_head, Int8Linear):
+            # (a tied head under int8: its own codes, quantized from the embedding's float32 tensor)
+            put("lm_head.weight", take("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"))
         for i in range(cfg.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
@@ -232,6 +261,13 @@ class LlamaForCausalLM(nn.Module):
             put(dst + "mlp.gate_up_proj.weight",
                 torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], dim=0))
             put(dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
+
+
+def _weight_ptr(linear: nn.Module) -> int:
+    """The address decode_step.c reads a projection's weight from (an int8 linear's packed buffer)."""
+    if isinstance(linear, Int8Linear):
+        return int(linear.packed.data_ptr())
+    return int(cast(nn.Linear, linear).weight.data_ptr())
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

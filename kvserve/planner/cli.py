@@ -27,6 +27,8 @@ def add_plan_parser(sub: Any) -> None:
                    help="weights as served (auto: what kvserve serves on this CPU: bfloat16 with native bf16 "
                         "dot products, else float32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPE_BYTES])
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: the projections and LM head as kvserve --quantization int8 serves them")
     p.add_argument("--memory-gib", type=float, default=d.memory_bytes / GiB, help="device memory (GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.utilization)
     p.add_argument("--reserve-gib", type=float, default=0.0, help="activations/fragmentation reserve (GiB)")
@@ -67,7 +69,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
     """The :class:`PlanOptions` of parsed ``kvserve plan`` flags (GiB, GB/s, ms -> bytes, bytes/s, s)."""
     return PlanOptions(
         dtype=("bfloat16" if cpu_features.has_native_bf16() else "float32") if args.dtype == "auto" else args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
         memory_bytes=args.memory_gib * GiB, utilization=args.gpu_memory_utilization,
         reserve_bytes=args.reserve_gib * GiB,
         kv_cache_memory_bytes=None if args.kv_cache_memory is None else args.kv_cache_memory * GiB,

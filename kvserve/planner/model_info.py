@@ -32,6 +32,25 @@ class ModelInfo:
         """Bytes of the weights as served in a dtype of ``dtype_bytes`` per element."""
         return self.num_params * dtype_bytes
 
+    def int8_weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of the weights as served with ``--quantization int8`` (``layers/int8.py``): every projection of
+        the decoder layers and the LM head at 1 byte per weight plus a float32 scale per output row (rows padded
+        to 16 and input features to 32, as the kernel's layout); the embedding table, norms and biases in a
+        dtype of ``dtype_bytes``. A tied head gets its own int8 copy (the table stays for lookups)."""
+        a = self.arch
+
+        def pad(x: int, to: int) -> int:
+            return -(-x // to) * to
+
+        h, qkv = a.hidden_size, (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim
+        shapes = [(qkv, h), (h, a.num_attention_heads * a.head_dim), (2 * a.intermediate_size, h),
+                  (h, a.intermediate_size)]
+        linear = a.num_hidden_layers * sum(pad(n, 16) * (pad(k, 32) + 4) for n, k in shapes)
+        linear += pad(a.vocab_size, 16) * (pad(h, 32) + 4)
+        untied_head = 0 if a.tie_word_embeddings else a.vocab_size * h  # elements of num_params the head owns
+        rest = self.num_params - a.num_hidden_layers * sum(n * k for n, k in shapes) - untied_head
+        return linear + rest * dtype_bytes  # (rest: the embedding table, norms and biases)
+
 
 def _gguf_info(name: str, path: Path) -> ModelInfo:
     import gguf

@@ -33,6 +33,8 @@ class PlanOptions:
         dtype: weights as served (for ``auto`` kvserve serves ``float32`` on CPUs without native bf16 dot
             products, ``bfloat16`` on those with them).
         kv_cache_dtype: ``auto`` = ``dtype``.
+        quantization: None or ``int8`` (``--quantization int8``: projections and head at 1 byte per weight
+            plus scales, ``ModelInfo.int8_weight_bytes``; the rest in ``dtype``).
         memory_bytes: device memory; the KV budget is ``memory × utilization − weights − reserve``.
         kv_cache_memory_bytes: use this KV budget instead (kvserve's ``--kv-cache-memory`` on CPU).
         context_len: tokens per request for the roofline and the preemption/fetch examples.
@@ -43,6 +45,7 @@ class PlanOptions:
 
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     memory_bytes: float = 16 * GiB
     utilization: float = 0.9
     reserve_bytes: float = 0.0
@@ -114,7 +117,7 @@ def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | 
     # the 8-bit caches' real layout: codes plus a float32 scale per token and KV head
     bpt8 = cm.kv_bytes_per_token_8bit(a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
     bpt = bpt8 if b == 1 else cm.kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, b)
-    weights = info.weight_bytes(w_bytes)
+    weights = info.int8_weight_bytes(w_bytes) if opts.quantization == "int8" else info.weight_bytes(w_bytes)
     kv_mem = (opts.kv_cache_memory_bytes if opts.kv_cache_memory_bytes is not None else
               cm.kv_memory_bytes(opts.memory_bytes, weights, opts.utilization, opts.reserve_bytes))
     bw = opts.bandwidth_bytes_per_s or measured.get("memory")
@@ -128,7 +131,7 @@ def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | 
              "num_heads": a.num_attention_heads, "num_kv_heads": a.num_key_value_heads, "head_dim": a.head_dim,
              "hidden_size": a.hidden_size, "vocab_size": a.vocab_size, "max_position_embeddings":
              a.max_position_embeddings, "num_params": info.num_params, "file_bytes": info.file_bytes,
-             "dtype": opts.dtype, "weight_bytes": weights}
+             "dtype": opts.dtype, "quantization": opts.quantization, "weight_bytes": weights}
 
     per_seq_len = [{"seq_len": n, "kv_bytes": cm.kv_bytes(bpt, n),
                     "max_concurrency": cm.max_concurrency(kv_mem, bpt, n),

@@ -67,12 +67,13 @@ def pack_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def move_parameters_to_hugepages(model: nn.Module) -> int:
-    """Re-home every parameter of ``model`` (each shared parameter once) into one huge-page region.
+    """Re-home every parameter of ``model`` (each shared parameter once), then every buffer (int8 weights
+    live in buffers, ``layers/int8.py``), into one huge-page region.
 
-    Returns the bytes moved (0 when nothing was moved: huge pages disabled, or a parameter not on CPU).
-    The parameters keep their identity (``.data`` is replaced), so tied weights stay tied.
+    Returns the bytes moved (0 when nothing was moved: huge pages disabled, or a tensor not on CPU).
+    The tensors keep their identity (``.data`` is replaced), so tied weights stay tied.
     """
-    params = list(model.parameters())
+    params = list(model.parameters()) + list(model.buffers())
     if not params or not all(hugepages_enabled(p.device) for p in params):
         return 0
     with torch.no_grad():

@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(arch: ModelArchConfig, weights: dict[str, torch.Tensor], max_position: int,
-                dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None) -> LlamaForCausalLM:
+                dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None,
+                quantization: str | None = None, quantize_lm_head: bool = True) -> LlamaForCausalLM:
     """Instantiate without random init (on the meta device), then load ``weights`` into it.
 
     Args:
@@ -53,16 +54,25 @@ def build_model(arch: ModelArchConfig, weights: dict[str, torch.Tensor], max_pos
         compute_dtype: the activations' dtype (norm weights, biases, KV); None: ``dtype``. bfloat16
             weights with float32 activations is the CPU mode for hosts without bf16 dot products: half
             the weight bytes per decode step, float32 math (see ``compute_dtype_for``).
+        quantization: None, or ``"int8"``: the decoder layers' projections and the LM head (unless
+            ``quantize_lm_head`` is False) hold int8 codes quantized from ``weights`` (``layers/int8.py``);
+            the embedding table and the norms keep ``dtype`` / ``compute_dtype``.
+    Raises:
+        ValueError: an unknown ``quantization``, or a checkpoint tensor missing or of the wrong shape.
     """
     compute_dtype = compute_dtype or dtype
+    if quantization not in (None, "int8"):
+        raise ValueError(f"quantization: must be None or 'int8', got {quantization!r}")
     with torch.device("meta"):
         model = MODEL_CLASSES[arch.architecture](arch, max_position)
+        if quantization == "int8":
+            model.use_int8_weights(lm_head=quantize_lm_head)
     model = model.to_empty(device=device).to(compute_dtype)
     if dtype != compute_dtype:
         for module in model.modules():
             if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
                 module.weight = torch.nn.Parameter(module.weight.to(dtype), requires_grad=False)
-    if arch.tie_word_embeddings:  # to_empty breaks the tie; restore it
+    if arch.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):  # to_empty breaks the tie
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.reset_tables()
     model.load_weights(weights)

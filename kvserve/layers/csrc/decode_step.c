@@ -1,5 +1,6 @@
 /* A whole decode step of a Llama-family decoder in one call (float32 or bfloat16 activations; a KV cache of
- * the activations' dtype or 8-bit (int8 / fp8 rows with scales, kv8.h); float32 or bfloat16 weights): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
+ * the activations' dtype or 8-bit (int8 / fp8 rows with scales, kv8.h); float32, bfloat16 or int8 weights
+ * (int8_gemm.c's packed layout)): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
  *
  * Why: at batch 1 a step is ~300 kernel calls of 20-100 us each. Called one by one from Python, each pays
  * the interpreter's and ctypes' overhead and restarts the memory pipeline (the hardware prefetchers lose
@@ -16,7 +17,7 @@
  * and after the last layer: out = rms_norm(res += x).
  *
  * layer_ptrs: [num_layers, 9] int64 addresses: input_norm_w, qkv_w, qkv_b (0: none), o_w,
- * post_norm_w, gate_up_w, down_w, k_cache, v_cache.
+ * post_norm_w, gate_up_w, down_w, k_cache, v_cache (the weights: int8_gemm.c's packed buffers for w_fmt 2).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +27,8 @@
 
 int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *out,
                int64_t M, int64_t N, int64_t K, int64_t num_threads);
+int int8_gemm(const void *x, int x_bf16, const uint8_t *packed, const float *bias, void *out, int64_t M, int64_t N,
+              int64_t K, int64_t num_threads);
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
                            int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,
@@ -48,9 +51,16 @@ enum { P_IN_NORM, P_QKV_W, P_QKV_B, P_O_W, P_POST_NORM, P_GATE_UP_W, P_DOWN_W, P
 
 #define PTR(l, i) ((void *)(intptr_t)layer_ptrs[(l) * P_COUNT + (i)])
 
+/* One projection: w_fmt 0 float32, 1 bfloat16 (small_gemm.c), 2 int8 (int8_gemm.c). */
+static int gemm(const void *x, int act_bf16, const void *w, int w_fmt, const float *bias, void *out, int64_t M,
+                int64_t N, int64_t K, int64_t num_threads) {
+    if (w_fmt == 2) return int8_gemm(x, act_bf16, (const uint8_t *)w, bias, out, M, N, K, num_threads);
+    return small_gemm(x, act_bf16, w, w_fmt, bias, out, M, N, K, num_threads);
+}
+
 /* x: [M, H] embeddings in the activation dtype (act_bf16: bfloat16, else float32), overwritten (scratch);
  * out: [M, H] final normed hidden, activation dtype. Norm weights have the activation dtype, biases are
- * float32, projection weights float32 or bfloat16 (w_bf16), K/V caches the activation dtype (kv_fmt 0) or
+ * float32, projection weights float32, bfloat16 or int8 (w_fmt 0 / 1 / 2), K/V caches the activation dtype (kv_fmt 0) or
  * 8-bit (kv_fmt 2 int8, 3 fp8: rope_write_kv8 and paged_decode_attention_kv8 instead). As in the per-op
  * path, attention takes q widened to float32 and its output is rounded to the activation dtype.
  * Returns 0, or -1 when scratch memory could not be allocated or a kernel failed. */
@@ -58,7 +68,7 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
                 const int64_t *positions, const int64_t *slot_mapping, const int64_t *block_tables,
                 const int64_t *seq_lens, int64_t max_blocks, int64_t block_size, const float *cos_table,
                 const float *sin_table, int64_t M, int64_t H, int64_t Hq, int64_t Hk, int64_t D, int64_t F,
-                float eps, float scale, int w_bf16, int act_bf16, int kv_fmt, int64_t num_threads) {
+                float eps, float scale, int w_fmt, int act_bf16, int kv_fmt, int64_t num_threads) {
     const int64_t qkv_n = (Hq + 2 * Hk) * D, q_n = Hq * D;
     const size_t esz = act_bf16 ? 2 : 4;
     void *res = malloc(esz * (size_t)(M * H));
@@ -77,7 +87,7 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
         } else {
             add_rms_norm(x, res, PTR(l, P_IN_NORM), h, M, H, eps, act_bf16);
         }
-        rc |= small_gemm(h, act_bf16, PTR(l, P_QKV_W), w_bf16, (const float *)PTR(l, P_QKV_B), qkv, M, qkv_n, H,
+        rc |= gemm(h, act_bf16, PTR(l, P_QKV_W), w_fmt, (const float *)PTR(l, P_QKV_B), qkv, M, qkv_n, H,
                          num_threads);
         if (kv_fmt >= 2)
             rc |= rope_write_kv8(qkv, qkv_n, positions, cos_table, sin_table, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE),
@@ -101,11 +111,11 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
                                          attn32, M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
         if (act_bf16)
             for (int64_t i = 0; i < M * q_n; i++) ((uint16_t *)attn)[i] = bf16_narrow(attn32[i]);
-        rc |= small_gemm(attn, act_bf16, PTR(l, P_O_W), w_bf16, NULL, x, M, H, q_n, num_threads);
+        rc |= gemm(attn, act_bf16, PTR(l, P_O_W), w_fmt, NULL, x, M, H, q_n, num_threads);
         add_rms_norm(x, res, PTR(l, P_POST_NORM), h, M, H, eps, act_bf16);
-        rc |= small_gemm(h, act_bf16, PTR(l, P_GATE_UP_W), w_bf16, NULL, gu, M, 2 * F, H, num_threads);
+        rc |= gemm(h, act_bf16, PTR(l, P_GATE_UP_W), w_fmt, NULL, gu, M, 2 * F, H, num_threads);
         silu_mul(gu, act, M, F, act_bf16);
-        rc |= small_gemm(act, act_bf16, PTR(l, P_DOWN_W), w_bf16, NULL, x, M, H, F, num_threads);
+        rc |= gemm(act, act_bf16, PTR(l, P_DOWN_W), w_fmt, NULL, x, M, H, F, num_threads);
     }
     if (rc == 0) add_rms_norm(x, res, final_norm, out, M, H, eps, act_bf16);
     if (act_bf16) free(attn);
