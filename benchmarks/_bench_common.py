@@ -92,6 +92,31 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def measure_read_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
+    """Read (``sum``) and copy bandwidth of a ``mib`` MiB float32 tensor with torch's current thread count,
+    best of ``repeats``, in GB/s (decimal). The tensor is far larger than any cache, so DRAM is measured; a
+    copy moves 2 bytes (read + write) per byte of the tensor."""
+    import torch
+
+    n = mib * (1 << 20) // 4
+    x = torch.ones(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+    x.sum()
+    y.copy_(x)  # touch both (page faults out of the timed region)
+    best_read = best_copy = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best_read = min(best_read, time.perf_counter() - t)
+        t = time.perf_counter()
+        y.copy_(x)
+        best_copy = min(best_copy, time.perf_counter() - t)
+    del x, y
+    return dict(read_gbs=round(nbytes / best_read / 1e9, 2), copy_gbs=round(2 * nbytes / best_copy / 1e9, 2),
+                tensor_mib=mib, repeats=repeats)
+
+
 def write_result(name: str, result: dict[str, Any], out: str | None) -> Path:
     """Write ``result`` as JSON to ``out`` or to results/<name>-<timestamp>.json; returns the path."""
     path = Path(out) if out else RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -69,29 +69,6 @@ WARMUP_DECODE_STEPS = 3
 
 
 # ---- machine ---------------------------------------------------------------------------------------
-def measure_bandwidth(mib: int, repeats: int) -> dict[str, float]:
-    """Read (sum) and copy bandwidth of a ``mib`` MiB float32 tensor, best of ``repeats``, in GB/s."""
-    import torch
-
-    n = mib * (1 << 20) // 4
-    x = torch.ones(n, dtype=torch.float32)
-    y = torch.empty_like(x)
-    nbytes = x.numel() * x.element_size()
-    x.sum()
-    y.copy_(x)  # touch both (page faults out of the timed region)
-    best_read = best_copy = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best_read = min(best_read, time.perf_counter() - t)
-        t = time.perf_counter()
-        y.copy_(x)
-        best_copy = min(best_copy, time.perf_counter() - t)
-    del x, y
-    return dict(read_gbs=round(nbytes / best_read / 1e9, 2), copy_gbs=round(2 * nbytes / best_copy / 1e9, 2),
-                tensor_mib=mib, repeats=repeats)
-
-
 def measure_gemm_peak(dtype_name: str, repeats: int = 3, n: int = 1024) -> float:
     """GFLOP/s of an n^3 matmul in ``dtype_name``, best of ``repeats``."""
     import torch
@@ -384,7 +361,7 @@ def main() -> None:
 
     env = common.environment(args.num_threads)
     with common.Contention() as c_bw:
-        bw = measure_bandwidth(args.bw_mib, args.bw_repeats)
+        bw = common.measure_read_bandwidth(args.bw_mib, args.bw_repeats)
     print(f"bandwidth ({args.num_threads} thread(s)): read {bw['read_gbs']} GB/s, copy {bw['copy_gbs']} GB/s; "
           f"load {c_bw.load_before[0]} -> {c_bw.load_after[0]}", flush=True)
 

@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import REPO, Contention, environment, table, write_result  # noqa: E402
+from _bench_common import REPO, Contention, environment, measure_read_bandwidth, table, write_result  # noqa: E402
 from _bench_common import machine_info as common_machine_info  # noqa: E402
 
 if str(REPO) not in sys.path:
@@ -443,6 +443,66 @@ def one_line(rec: dict[str, Any]) -> str:
             f"other_cpu_frac {rec['other_cpu_frac']}" + (f", errors: {rec['errors'][:1]}" if rec["errors"] else ""))
 
 
+# ---- the batch-1 decode roofline ------------------------------------------------------------------------------
+MODEL = "smollm2-135m-instruct"
+DECODE_PROMPT, DECODE_OUTPUT = 32, 128  # the decode workload's shape (make_workload)
+
+
+def served_dtype_bytes(key: str, args: argparse.Namespace) -> int:
+    """Bytes per weight element engine ``key`` serves SmolLM2 with (kvserve's ``auto`` resolved as kvserve does)."""
+    if key == "kv":
+        if args.kv_dtype == "auto":
+            from kvserve import cpu_features
+            return 2 if cpu_features.has_native_bf16() else 4
+        return 4 if args.kv_dtype == "float32" else 2
+    if key == "vllm":
+        return 2 if args.vllm_dtype == "bfloat16" else 4
+    return 2 if args.llama_gguf == "bf16" else 4
+
+
+def step_bytes(dtype_bytes: int) -> int:
+    """Bytes one batch-1 decode step of the decode workload must read: every weight once (the planner's count,
+    a tied head once) plus the KV cache of the mean context (32 prompt + 64 of the 128 outputs) in that dtype."""
+    from kvserve.cost_model import kv_bytes_per_token
+    from kvserve.planner.model_info import load_model_info
+
+    info = load_model_info(MODEL)
+    a = info.arch
+    ctx = DECODE_PROMPT + DECODE_OUTPUT // 2
+    return info.weight_bytes(dtype_bytes) + ctx * kv_bytes_per_token(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, dtype_bytes)
+
+
+def probe_bandwidth(threads: int, label: str) -> dict[str, Any]:
+    """torch's read bandwidth with ``threads`` threads (512 MiB float32 ``sum``), with the probe's contention."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Contention() as con:
+            bw = measure_read_bandwidth(512, 5)
+    finally:
+        torch.set_num_threads(before)
+    bw.update(label=label, at=time.strftime("%T"), threads=threads, other_cpu_frac=round(con.other_cpu_frac, 4),
+              load1=con.load_before[0])
+    print(f"{bw['at']} bandwidth probe ({label}, {threads} threads): read {bw['read_gbs']} GB/s, "
+          f"copy {bw['copy_gbs']} GB/s, other_cpu_frac {bw['other_cpu_frac']}", flush=True)
+    return bw
+
+
+def roofline_record(probes: list[dict[str, Any]], args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
+    """The batch-1 roofline of each engine's dtype at the best read bandwidth of the run's probes (the highest
+    probe gives the strictest roofline)."""
+    gbs = max(p["read_gbs"] for p in probes)
+    per_engine = {}
+    for k in keys:
+        b = step_bytes(served_dtype_bytes(k, args))
+        per_engine[k] = dict(step_bytes=b, roofline_step_ms=round(b / (gbs * 1e9) * 1e3, 3),
+                             roofline_tok_s=round(gbs * 1e9 / b, 1))
+    return dict(read_gbs=gbs, probes=probes, engines=per_engine)
+
+
 # ---- the table -------------------------------------------------------------------------------------------------
 CONTAMINATED = 0.05
 
@@ -510,6 +570,15 @@ def format_table(result: dict[str, Any]) -> str:
         kv = headline(by.get(("kv", wl, c)))
         row += [ratio(kv, headline(by.get((p, wl, c)))) for p in peers]
         rows.append(row)
+        roof = result.get("roofline")
+        if wl == "decode" and c == 1 and roof:
+            row = [f"decode % of roofline ({roof['read_gbs']} GB/s)"]
+            for k in engines:
+                r, e = by.get((k, wl, c)), roof["engines"].get(k)
+                v = headline(r)
+                pct = None if v is None or e is None else 100 * v / e["roofline_tok_s"]
+                row.append("-" if pct is None or e is None else f"{pct:.0f} % of {e['roofline_tok_s']}")
+            rows.append(row + [""] * len(peers))
     notes = ["cells: output tok/s (TTFT p99; ITL p99 ms); decode: batch-1 tok/s = 1000/TPOT p50 (ITL p50 ms); "
              f"* other_cpu_frac > {CONTAMINATED}"]
     for k in engines:
@@ -607,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-gguf", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-roofline", dest="roofline", action="store_false",
+                    help="skip the read-bandwidth probes (before the first and after the last engine) that give "
+                         "the batch-1 decode roofline row")
     ap.add_argument("--port", type=int, default=18123)
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /health")
     ap.add_argument("--out", default=str(REPO / "results" / "vs_peers.json"))
@@ -638,6 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         write_result("vs_peers", result, str(out))
 
+    probes: list[dict[str, Any]] = []
+    if args.roofline and any(w == "decode" and c == 1 for w, c in runs):
+        probes.append(probe_bandwidth(args.threads, "start"))
     for k in keys:
         spec = build_engine(k, args)
         entry = result["engines"][k] = _engine_entry(spec)
@@ -647,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
         if any(e.get("log") for e in result["engines"].values()):
             time.sleep(3)  # let the previous engine's CPU settle
         _run_engine(spec, args, runs, entry, result["runs"], save)
+    if probes:
+        probes.append(probe_bandwidth(args.threads, "end"))
+        result["roofline"] = roofline_record(probes, args, keys)
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     result["table"] = format_table(result)
     path = write_result("vs_peers", result, str(out))

@@ -190,3 +190,27 @@ def test_format_table_and_ratios() -> None:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_server_cpu_of_own_process() -> None:
     assert vp.server_cpu_s(os.getpid()) > 0 and vp.server_cpu_s(0) == 0.0
+
+
+def test_roofline_bytes_and_row() -> None:
+    args = argparse.Namespace(kv_dtype="float32", vllm_dtype="bfloat16", llama_gguf="bf16")
+    assert (vp.served_dtype_bytes("kv", args), vp.served_dtype_bytes("vllm", args),
+            vp.served_dtype_bytes("llama", args)) == (4, 2, 2)
+    # SmolLM2: 134,515,008 parameters (tied head counted once); KV: 30 layers x 2 x 3 heads x 64 = 11,520
+    # elements per token, over the decode workload's mean context of 32 + 64 tokens
+    assert vp.step_bytes(2) == 134_515_008 * 2 + 96 * 11_520 * 2
+    assert vp.step_bytes(4) == 134_515_008 * 4 + 96 * 11_520 * 4
+    probes = [dict(read_gbs=30.0), dict(read_gbs=36.0)]
+    roof = vp.roofline_record(probes, args, ["kv", "vllm"])
+    assert roof["read_gbs"] == 36.0  # the best probe: the strictest roofline
+    assert roof["engines"]["vllm"]["roofline_tok_s"] == round(36e9 / vp.step_bytes(2), 1)
+    assert roof["engines"]["kv"]["roofline_step_ms"] == round(vp.step_bytes(4) / 36e9 * 1e3, 3)
+    result = {"engines": {"kv": {"label": "kvserve fp32"}, "vllm": {"label": "vLLM bf16"}},
+              "runs": [_rec("kv", "decode", 1, 20.0, 50.0, 40.0, itl50=20.0, decode=50.0),
+                       _rec("vllm", "decode", 1, 30.0, 40.0, 30.0, itl50=24.0, decode=40.3)],
+              "roofline": roof}
+    row = next(ln for ln in vp.format_table(result).splitlines() if ln.startswith("decode % of roofline"))
+    kv_pct = round(100 * 50.0 / roof["engines"]["kv"]["roofline_tok_s"])
+    vllm_pct = round(100 * 40.3 / roof["engines"]["vllm"]["roofline_tok_s"])
+    assert f"{kv_pct} % of {roof['engines']['kv']['roofline_tok_s']}" in row
+    assert f"{vllm_pct} % of {roof['engines']['vllm']['roofline_tok_s']}" in row
