@@ -68,11 +68,13 @@ import os
 import random
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
@@ -363,25 +365,45 @@ def request_extra(salted: bool, workload: str, salt: str, max_tokens: int) -> di
 
 
 async def _closed_loop(base_url: str, reqs: list[Request], concurrency: int, salted: bool, workload: str,
-                       salt: str, server_pid: int) -> tuple[list[RequestResult], float, Contention, float]:
-    """Run ``reqs`` with at most ``concurrency`` in flight; (results, wall s, contention, server CPU s)."""
+                       salt: str, server_pid: int, probe: Callable[[str], dict[str, Any]] | None = None,
+                       ) -> tuple[list[RequestResult], float, Contention, float, list[dict[str, Any]]]:
+    """Run ``reqs`` with at most ``concurrency`` in flight; (results, wall s, contention, server CPU s, probes).
+
+    ``probe`` (concurrency 1 only): a bandwidth probe run before the first request and after each one, while
+    the server is idle, so the probes sample the memory bandwidth of the same seconds as the requests; their
+    time is left out of the wall time."""
+    assert probe is None or concurrency == 1, "probes between requests need a serial run"
+    probes: list[dict[str, Any]] = []
     async with _session() as s:
         sem = asyncio.Semaphore(concurrency)
         t0 = 0.0  # the run's origin, set just before the requests go out
+        probe_s = 0.0
 
-        async def one(prompt: list[int], max_tokens: int) -> RequestResult:
+        def take_probe(label: str) -> None:
+            nonlocal probe_s
+            assert probe is not None
+            t = time.perf_counter()
+            probes.append(probe(label))
+            probe_s += time.perf_counter() - t
+
+        async def one(i: int, prompt: list[int], max_tokens: int) -> RequestResult:
             async with sem:
                 inp = RequestInput("completions", base_url, "m", prompt, max_tokens, ignore_eos=True, logprobs=False)
                 sess = cast(aiohttp.ClientSession, _BodyExtras(s, request_extra(salted, workload, salt, max_tokens)))
-                return await send_request(sess, inp, t0)
+                r = await send_request(sess, inp, t0)
+                if probe is not None:
+                    take_probe(f"after request {i}")
+                return r
 
         srv0 = server_cpu_s(server_pid)
         with Contention() as con:
+            if probe is not None:
+                take_probe("before request 0")
             t0 = time.perf_counter()
-            results = await asyncio.gather(*[one(p, m) for p, m in reqs])
-            wall = time.perf_counter() - t0
+            results = await asyncio.gather(*[one(i, p, m) for i, (p, m) in enumerate(reqs)])
+            wall = time.perf_counter() - t0 - probe_s
         srv1 = server_cpu_s(server_pid)
-    return list(results), wall, con, srv1 - srv0
+    return list(results), wall, con, srv1 - srv0, probes
 
 
 def warmup(base_url: str, salted: bool) -> RequestResult:
@@ -474,33 +496,38 @@ def step_bytes(dtype_bytes: int) -> int:
 
 
 def probe_bandwidth(threads: int, label: str) -> dict[str, Any]:
-    """torch's read bandwidth with ``threads`` threads (512 MiB float32 ``sum``), with the probe's contention."""
+    """torch's read bandwidth with ``threads`` threads (best of 3 ``sum`` of 256 MiB float32, ~0.1 s), with
+    the probe's contention."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with Contention() as con:
-            bw = measure_read_bandwidth(512, 5)
+            bw = measure_read_bandwidth(256, 3)
     finally:
         torch.set_num_threads(before)
-    bw.update(label=label, at=time.strftime("%T"), threads=threads, other_cpu_frac=round(con.other_cpu_frac, 4),
-              load1=con.load_before[0])
-    print(f"{bw['at']} bandwidth probe ({label}, {threads} threads): read {bw['read_gbs']} GB/s, "
-          f"copy {bw['copy_gbs']} GB/s, other_cpu_frac {bw['other_cpu_frac']}", flush=True)
-    return bw
+    return dict(bw, label=label, at=time.strftime("%T"), threads=threads, other_cpu_frac=round(con.other_cpu_frac, 4),
+                load1=con.load_before[0])
 
 
-def roofline_record(probes: list[dict[str, Any]], args: argparse.Namespace, keys: list[str]) -> dict[str, Any]:
-    """The batch-1 roofline of each engine's dtype at the best read bandwidth of the run's probes (the highest
-    probe gives the strictest roofline)."""
-    gbs = max(p["read_gbs"] for p in probes)
+def roofline_record(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Each engine's batch-1 roofline: its dtype's step bytes at the median read bandwidth of the probes taken
+    between the requests of its own decode run (``rec["bandwidth_probes"]``).
+
+    Probes between the run's requests, and their median rather than the best: on this project's shared hosts
+    the same probe reads 35-65 GB/s seconds apart, and one server's batch-1 decode runs at 90-130 tok/s from one
+    10-second run to the next (the memory bus is shared with other tenants), so a probe minutes away or a
+    momentary spike says little about the bandwidth the run itself had; every probe is kept."""
     per_engine = {}
-    for k in keys:
-        b = step_bytes(served_dtype_bytes(k, args))
-        per_engine[k] = dict(step_bytes=b, roofline_step_ms=round(b / (gbs * 1e9) * 1e3, 3),
-                             roofline_tok_s=round(gbs * 1e9 / b, 1))
-    return dict(read_gbs=gbs, probes=probes, engines=per_engine)
+    for rec in runs:
+        if rec["workload"] != "decode" or rec["concurrency"] != 1 or not rec.get("bandwidth_probes"):
+            continue
+        gbs = round(statistics.median(p["read_gbs"] for p in rec["bandwidth_probes"]), 2)
+        b = step_bytes(served_dtype_bytes(rec["engine"], args))
+        per_engine[rec["engine"]] = dict(read_gbs=gbs, step_bytes=b, roofline_step_ms=round(b / (gbs * 1e9) * 1e3, 3),
+                                         roofline_tok_s=round(gbs * 1e9 / b, 1))
+    return dict(engines=per_engine)
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
@@ -572,12 +599,13 @@ def format_table(result: dict[str, Any]) -> str:
         rows.append(row)
         roof = result.get("roofline")
         if wl == "decode" and c == 1 and roof:
-            row = [f"decode % of roofline ({roof['read_gbs']} GB/s)"]
+            row = ["decode % of roofline (GB/s)"]
             for k in engines:
                 r, e = by.get((k, wl, c)), roof["engines"].get(k)
                 v = headline(r)
                 pct = None if v is None or e is None else 100 * v / e["roofline_tok_s"]
-                row.append("-" if pct is None or e is None else f"{pct:.0f} % of {e['roofline_tok_s']}")
+                row.append("-" if pct is None or e is None
+                           else f"{pct:.0f} % of {e['roofline_tok_s']} ({e['read_gbs']})")
             rows.append(row + [""] * len(peers))
     notes = ["cells: output tok/s (TTFT p99; ITL p99 ms); decode: batch-1 tok/s = 1000/TPOT p50 (ITL p50 ms); "
              f"* other_cpu_frac > {CONTAMINATED}"]
@@ -647,9 +675,17 @@ def _run_engine(spec: EngineSpec, args: argparse.Namespace, runs: list[tuple[str
                 n = min(n, args.serial_prompts)
             reqs = make_workload(wl, n, args.seed)
             salt = f"vs-peers-{spec.key}-{wl}-c{c}-{os.getpid()}-{time.time_ns()}"
-            results, wall, con, srv = asyncio.run(
-                _closed_loop(base_url, reqs, c, spec.salted, wl, salt, server.pid))
+            probe = None
+            if args.roofline and wl == "decode" and c == 1:
+                probe = lambda label: probe_bandwidth(args.threads, f"{spec.label} decode, {label}")  # noqa: E731
+            results, wall, con, srv, probes = asyncio.run(
+                _closed_loop(base_url, reqs, c, spec.salted, wl, salt, server.pid, probe))
             rec = run_record(spec, wl, c, args.seed, reqs, results, wall, con, srv, isolation)
+            if probes:
+                rec["bandwidth_probes"] = probes
+                gbs = sorted(p["read_gbs"] for p in probes)
+                print(f"{time.strftime('%T')} {spec.label}: {len(gbs)} bandwidth probes between the decode requests, "
+                      f"read {gbs[0]}-{gbs[-1]} GB/s, median {statistics.median(gbs)}", flush=True)
             records.append(rec)
             if wl == "shared-prefix":
                 server.shared_prefix_runs += 1
@@ -677,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-roofline", dest="roofline", action="store_false",
-                    help="skip the read-bandwidth probes (before the first and after the last engine) that give "
+                    help="skip the read-bandwidth probes (just before and after each engine's decode run) that give "
                          "the batch-1 decode roofline row")
     ap.add_argument("--port", type=int, default=18123)
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -710,9 +746,6 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         write_result("vs_peers", result, str(out))
 
-    probes: list[dict[str, Any]] = []
-    if args.roofline and any(w == "decode" and c == 1 for w, c in runs):
-        probes.append(probe_bandwidth(args.threads, "start"))
     for k in keys:
         spec = build_engine(k, args)
         entry = result["engines"][k] = _engine_entry(spec)
@@ -722,9 +755,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(e.get("log") for e in result["engines"].values()):
             time.sleep(3)  # let the previous engine's CPU settle
         _run_engine(spec, args, runs, entry, result["runs"], save)
-    if probes:
-        probes.append(probe_bandwidth(args.threads, "end"))
-        result["roofline"] = roofline_record(probes, args, keys)
+    if args.roofline:
+        result["roofline"] = roofline_record(result["runs"], args)
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     result["table"] = format_table(result)
     path = write_result("vs_peers", result, str(out))

@@ -200,15 +200,19 @@ def test_roofline_bytes_and_row() -> None:
     # elements per token, over the decode workload's mean context of 32 + 64 tokens
     assert vp.step_bytes(2) == 134_515_008 * 2 + 96 * 11_520 * 2
     assert vp.step_bytes(4) == 134_515_008 * 4 + 96 * 11_520 * 4
-    probes = [dict(read_gbs=30.0), dict(read_gbs=36.0)]
-    roof = vp.roofline_record(probes, args, ["kv", "vllm"])
-    assert roof["read_gbs"] == 36.0  # the best probe: the strictest roofline
-    assert roof["engines"]["vllm"]["roofline_tok_s"] == round(36e9 / vp.step_bytes(2), 1)
+    kv = dict(_rec("kv", "decode", 1, 20.0, 50.0, 40.0, itl50=20.0, decode=50.0),
+              bandwidth_probes=[dict(read_gbs=30.0), dict(read_gbs=55.0), dict(read_gbs=36.0)])
+    vllm = dict(_rec("vllm", "decode", 1, 30.0, 40.0, 30.0, itl50=24.0, decode=40.3),
+                bandwidth_probes=[dict(read_gbs=40.0), dict(read_gbs=42.0)])
+    mixed = _rec("kv", "mixed", 16, 81.9, 7575.0, 960.0)
+    roof = vp.roofline_record([kv, vllm, mixed], args)
+    assert set(roof["engines"]) == {"kv", "vllm"}
+    assert roof["engines"]["kv"]["read_gbs"] == 36.0  # the median probe (a momentary 55 GB/s spike does not set it)
+    assert roof["engines"]["vllm"]["read_gbs"] == 41.0
+    assert roof["engines"]["vllm"]["roofline_tok_s"] == round(41e9 / vp.step_bytes(2), 1)
     assert roof["engines"]["kv"]["roofline_step_ms"] == round(vp.step_bytes(4) / 36e9 * 1e3, 3)
     result = {"engines": {"kv": {"label": "kvserve fp32"}, "vllm": {"label": "vLLM bf16"}},
-              "runs": [_rec("kv", "decode", 1, 20.0, 50.0, 40.0, itl50=20.0, decode=50.0),
-                       _rec("vllm", "decode", 1, 30.0, 40.0, 30.0, itl50=24.0, decode=40.3)],
-              "roofline": roof}
+              "runs": [kv, vllm], "roofline": roof}
     row = next(ln for ln in vp.format_table(result).splitlines() if ln.startswith("decode % of roofline"))
     kv_pct = round(100 * 50.0 / roof["engines"]["kv"]["roofline_tok_s"])
     vllm_pct = round(100 * 40.3 / roof["engines"]["vllm"]["roofline_tok_s"])
