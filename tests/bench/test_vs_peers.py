@@ -130,6 +130,9 @@ def test_engine_commands_and_missing_peers(tmp_path: Path) -> None:
     ll = vp.build_engine("llama", _args(tmp_path, llama_gguf="f32", threads=1))
     assert ll.missing and not ll.salted
     assert ll.cmd[2].endswith("smollm2-135m-f32.gguf") and ll.cmd[ll.cmd.index("-t") + 1] == "1"
+    # interleaved rounds: every engine on its own port
+    assert vp.build_engine("llama", _args(tmp_path), 18125).cmd[6] == "18125"
+    assert "18124" in vp.build_engine("vllm", _args(tmp_path), 18124).cmd
 
 
 def _res(ttft: float, itl: list[float], n: int, ok: bool = True) -> RequestResult:
@@ -210,7 +213,8 @@ def test_roofline_bytes_and_row() -> None:
     assert roof["engines"]["kv"]["read_gbs"] == 36.0  # the median probe (a momentary 55 GB/s spike does not set it)
     assert roof["engines"]["vllm"]["read_gbs"] == 41.0
     assert roof["engines"]["vllm"]["roofline_tok_s"] == round(41e9 / vp.step_bytes(2), 1)
-    assert roof["engines"]["kv"]["roofline_step_ms"] == round(vp.step_bytes(4) / 36e9 * 1e3, 3)
+    assert roof["engines"]["kv"]["runs"][0]["roofline_step_ms"] == round(vp.step_bytes(4) / 36e9 * 1e3, 3)
+    assert roof["engines"]["kv"]["pct"] == round(100 * 50.0 / (36e9 / vp.step_bytes(4)), 1)
     result = {"engines": {"kv": {"label": "kvserve fp32"}, "vllm": {"label": "vLLM bf16"}},
               "runs": [kv, vllm], "roofline": roof}
     row = next(ln for ln in vp.format_table(result).splitlines() if ln.startswith("decode % of roofline"))
@@ -218,3 +222,23 @@ def test_roofline_bytes_and_row() -> None:
     vllm_pct = round(100 * 40.3 / roof["engines"]["vllm"]["roofline_tok_s"])
     assert f"{kv_pct} % of {roof['engines']['kv']['roofline_tok_s']}" in row
     assert f"{vllm_pct} % of {roof['engines']['vllm']['roofline_tok_s']}" in row
+
+
+def test_rounds_aggregate_to_medians_and_paired_ratios() -> None:
+    def r(engine: str, rnd: int, tok_s: float, ttft99: float, frac: float = 0.0) -> dict[str, Any]:
+        return dict(_rec(engine, "mixed", 16, tok_s, ttft99, 100.0 + rnd, frac=frac), round=rnd)
+
+    # the host drifts: round 2 is slow for both engines; the paired ratios are 2.0, 2.0, 1.5
+    kv = [r("kv", 1, 300.0, 3000.0), r("kv", 2, 200.0, 5000.0), r("kv", 3, 240.0, 4000.0, frac=0.08)]
+    vllm = [r("vllm", 1, 150.0, 2000.0), r("vllm", 2, 100.0, 2500.0), r("vllm", 3, 160.0, 2200.0)]
+    agg = vp.aggregate(kv)
+    assert agg["output_tok_s"] == 240.0 and agg["ttft_ms"][99] == 4000.0 and agg["itl_ms"][99] == 102.0
+    assert agg["completed"] == 12 and agg["other_cpu_frac"] == 0.08 and agg["rounds"] == 3
+    assert vp.aggregate(kv[:1]) is kv[0]
+    assert vp.paired_ratio(kv, vllm) == "2.00x"  # not 240 / 150 = 1.60x, the ratio of the medians
+    assert vp.paired_ratio(kv, []) == "-"
+    result = {"engines": {"kv": {"label": "kvserve"}, "vllm": {"label": "vLLM"}}, "runs": kv + vllm}
+    text = vp.format_table(result)
+    row = next(ln for ln in text.splitlines() if ln.startswith("mixed c16"))
+    assert "240.0 (4,000; 102)*" in row and "150.0 (2,200; 102)" in row and row.split()[-1] == "2.00x"
+    assert "3 interleaved rounds" in text
