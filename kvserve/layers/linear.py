@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.layers import cpu_kernels
+from kvserve.layers import cpu_kernels, onednn
 
 SMALL_M_MAX = 32  # rows; below it the native kernel beat F.linear (fp32 and bf16 weights), docs/performance.md
 # bf16 x bf16 with AVX512-BF16 (the 4 x 4 vdpbf16ps tiles): 20-40 % faster than F.linear up to M = 64 on
@@ -37,17 +37,26 @@ def use_native(x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose forward takes the native small-M kernel for decode-sized inputs on CPU.
+    """``nn.Linear`` whose forward takes the native small-M kernel for decode-sized inputs on CPU, and for
+    larger bfloat16 inputs oneDNN with the weight reordered once (``onednn.py``; same bits as ``F.linear``).
 
     The weight stays the plain ``[out_features, in_features]`` parameter (shared with ``F.linear`` for
     large M and with a tied embedding); the kernel takes a float32 bias.
     """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.onednn_weights = onednn.PackCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[M, in_features]`` -> ``[M, out_features]``."""
         if x.dim() == 2 and x.shape[0] <= small_m_max(x.dtype) and use_native(x) and self.weight.dtype in NATIVE_DTYPES:
             bias = None if self.bias is None else self.bias.float()  # no copy for float32
             return cpu_kernels.small_gemm(x, self.weight, bias)
+        if onednn.available(x, self.weight):
+            return onednn.linear(x, self.onednn_weights.get("weight", self.weight),
+                                 None if self.bias is None else self.bias.to(x.dtype))
         # bf16 weights under float32 activations (CPUs without bf16 dot products): widened per call, which
         # costs little next to the GEMM at the M that takes this path.
         return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
