@@ -78,14 +78,14 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.intermediate_size = cfg.intermediate_size
         self.fuse_swiglu = True  # tests switch it off to compare with the reference path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.gate_up_proj.weight
-        if (self.fuse_swiglu and isinstance(self.gate_up_proj, Linear) and x.shape[0] > small_m_max(x.dtype)
-                and onednn.available(x, w)):
-            i, packed = self.intermediate_size, self.gate_up_proj.onednn_weights
+        proj = self.gate_up_proj
+        if (self.fuse_swiglu and isinstance(proj, Linear) and x.shape[0] > small_m_max(x.dtype)
+                and onednn.available(x, proj.weight)):
+            w = proj.weight
+            i, packed = w.shape[0] // 2, proj.onednn_weights  # [gate rows; up rows]
             return self.down_proj(onednn.swiglu(x, packed.get("gate", w[:i]), packed.get("up", w[i:])))
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if use_native(gate_up) and (gate_up.shape[0] <= small_m_max(gate_up.dtype) or _vector_silu()):
