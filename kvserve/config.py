@@ -6,6 +6,7 @@ import argparse
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kvserve import cpu_features
 from kvserve.disagg.config import KVTransferConfig
 from kvserve.errors import InvalidRequestError
 from kvserve.kv_offload.config import KVOffloadConfig
@@ -58,6 +59,10 @@ class EngineConfig:
         enable_chunked_prefill: split prompts over steps under the budget; off: a prompt is prefilled
             whole (then ``max_num_batched_tokens`` must be >= ``max_model_len``).
         num_threads: torch intra-op threads on CPU (None: leave torch's default).
+        cpu_threads_bind: pin the serving engine's compute threads to CPUs (as vLLM's
+            ``VLLM_CPU_OMP_THREADS_BIND``): ``auto`` (pin thread t to the t-th CPU of the process's set when
+            the engine uses every one of them: nothing else is meant to run there), ``none``, or a CPU list
+            such as ``0-3`` or ``0,2`` (thread t on the t-th listed CPU, wrapping around).
         seed: seed of the global RNG used by requests without their own seed.
         skip_tokenizer_init: do not load a tokenizer (prompts must be token ids).
         served_model_name: the name clients use (default: ``model``).
@@ -104,6 +109,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
+    cpu_threads_bind: str = "auto"
     seed: int = 0
     skip_tokenizer_init: bool = False
     served_model_name: str | None = None
@@ -150,6 +156,11 @@ class EngineConfig:
                  f"must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
                  f"must be >= 1, got {self.num_threads}")
+        if self.cpu_threads_bind not in ("auto", "none"):
+            try:
+                cpu_features.parse_cpu_list(self.cpu_threads_bind)
+            except ValueError as e:
+                _require(False, "cpu_threads_bind", f"must be auto, none or a CPU list like 0-3; {e}")
         _require(self.prefix_caching_hash_algo in ("sha256", "xxhash"), "prefix_caching_hash_algo",
                  f"must be sha256 or xxhash, got {self.prefix_caching_hash_algo!r}")
         _require(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
@@ -191,6 +202,9 @@ class EngineConfig:
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill)
         g.add_argument("--num-threads", type=int, default=None, help="torch threads (CPU)")
+        g.add_argument("--cpu-threads-bind", default=d.cpu_threads_bind,
+                       help="pin the compute threads to CPUs: auto (when they use every CPU), none, or a list "
+                            "like 0-3 (as vLLM's VLLM_CPU_OMP_THREADS_BIND)")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--skip-tokenizer-init", action="store_true")
         g.add_argument("--served-model-name", default=None)

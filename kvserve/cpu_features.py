@@ -63,3 +63,24 @@ def describe() -> str:
     flags = cpu_flags()
     present = [f for f in REPORTED_FLAGS if f in flags]
     return f"{cpu_model()} ({os.cpu_count()} CPUs; {' '.join(present) or 'no SIMD flags read'})"
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """A CPU list as Linux and vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` write it -> CPU ids in the given order:
+    ``"0-3"`` -> [0, 1, 2, 3], ``"0,2,5-6"`` -> [0, 2, 5, 6].
+
+    Raises:
+        ValueError: an empty list, a malformed item, a reversed range or a CPU listed twice.
+    """
+    cpus: list[int] = []
+    for item in spec.split(","):
+        lo, sep, hi = item.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad CPU list {spec!r}: expected items like 3 or 0-3, comma-separated")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"bad CPU list {spec!r}: range {item.strip()!r} is reversed")
+        cpus.extend(range(a, b + 1))
+    if len(set(cpus)) != len(cpus):
+        raise ValueError(f"bad CPU list {spec!r}: a CPU appears twice")
+    return cpus

@@ -319,6 +319,9 @@ class AsyncLLM:
         num_threads = getattr(engine, "num_threads", None)  # (an engine double may not say)
         if num_threads:
             torch.set_num_threads(num_threads)  # OpenMP's count is per calling thread
+        bind = getattr(engine, "bind_compute_threads", None)
+        if bind is not None:
+            bind()  # this thread's OpenMP team, pinned to CPUs (--cpu-threads-bind)
         # Background work of an idle engine (PD disaggregation: blocks pinned for a decode instance are
         # freed when it confirms, or when their timeout passes); an engine double may have none.
         poll = getattr(engine, "poll_background", None)

@@ -34,6 +34,7 @@ from kvserve.errors import InvalidRequestError, PromptTooLongError
 from kvserve.kv_offload.config import build_tiers
 from kvserve.kv_offload.manager import OffloadManager
 from kvserve.kv_offload.tier import BlockMeta
+from kvserve.layers import cpu_kernels
 from kvserve.layers.kv_quant import KV8_DTYPES
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.llama import LlamaForCausalLM
@@ -612,6 +613,32 @@ class LLMEngine:
             self.scheduler.finish_requests([s.request.request_id for s in group.sequences],
                                            RequestStatus.FINISHED_ABORTED)
             self._finish_group(group)
+
+    def bind_compute_threads(self) -> list[int] | None:
+        """Pin the calling thread's OpenMP team to CPUs as ``config.cpu_threads_bind`` says (see EngineConfig);
+        call it from the thread that will step the engine (AsyncLLM's loop thread does).
+
+        Returns:
+            The CPUs thread 0, 1, ... were pinned to, or None when nothing was pinned (not a CPU engine, ``none``,
+            ``auto`` with fewer threads than the process's CPUs, or no native kernels to pin with).
+        """
+        spec = self.config.cpu_threads_bind
+        if self.device.type != "cpu" or spec == "none" or not cpu_kernels.native_available():
+            return None
+        allowed = sorted(os.sched_getaffinity(0))
+        if spec == "auto":
+            if self.num_threads != len(allowed):
+                return None
+            cpus = allowed
+        else:
+            cpus = cpu_features.parse_cpu_list(spec)
+        team = cpu_kernels.pin_omp_threads(cpus)
+        if team < 0:
+            logger.warning("could not pin the compute threads to CPUs %s", cpus)
+            return None
+        pinned = [cpus[t % len(cpus)] for t in range(team)]
+        logger.info("compute threads pinned to CPUs %s (--cpu-threads-bind %s)", pinned, spec)
+        return pinned
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._pending)

@@ -55,6 +55,7 @@ _SOURCES = {  # file -> its own flags (fast-math only where reductions must reor
     "decode_step.c": [],
     "prefill_attention.c": ["-ffp-contract=fast"],  # (no fast-math: its exp rounds with the 1.5*2^23 trick)
     "int8_gemm.c": ["-ffp-contract=off"],  # (its float epilogue must equal the torch reference's bits)
+    "threads.c": [],
 }
 _COMMON = ["-O3", "-fPIC", "-fopenmp"]
 _LIBS = ["-lm", "-lmvec"]
@@ -83,6 +84,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "int8_gemm_features": (ctypes.c_int, []),
     "int8_packed_nbytes": (_I64, [_I64, _I64]),
     "int8_quantize_rows": (None, [_PTR, ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
+    "pin_omp_threads": (ctypes.c_int, [_PTR, ctypes.c_int32]),
 }
 
 
@@ -469,3 +471,18 @@ def int8_quantize_rows(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> tuple
     (lib or _lib()).int8_quantize_rows(x.data_ptr(), _bf16_flag(x), m, k, kp, q.data_ptr(), scales.data_ptr(), None,
                                        torch.get_num_threads())
     return q, scales
+
+
+def pin_omp_threads(cpus: list[int]) -> int:
+    """Pin the calling thread's OpenMP team (``torch.get_num_threads()`` threads, the caller being thread 0):
+    thread ``t`` to CPU ``cpus[t % len(cpus)]`` (``csrc/threads.c``). Call it from the thread that computes.
+
+    Returns:
+        The team size, or -1 where it could not pin (not Linux, no OpenMP, a CPU outside the process's set).
+    Raises:
+        ValueError: ``cpus`` is empty.
+    """
+    if not cpus:
+        raise ValueError("pin_omp_threads: no CPUs given")
+    arr = (ctypes.c_int32 * len(cpus))(*cpus)
+    return int(_lib().pin_omp_threads(ctypes.addressof(arr), len(cpus)))

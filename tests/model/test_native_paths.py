@@ -229,3 +229,40 @@ def test_step_token_budget_defaults_by_device(tiny_qwen2: tuple[Path, list[list[
     monkeypatch.setitem(DEFAULT_MAX_NUM_BATCHED_TOKENS, "cpu", 64)
     assert budget() == 64
     assert budget(enable_chunked_prefill=False, max_model_len=200) == 200  # a whole prompt fits one step
+
+
+@pytest.mark.skipif(not cpu_kernels.native_available(), reason="no C compiler: native kernels unbuilt")
+def test_bind_compute_threads_follows_the_flag(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]]) -> None:
+    """``auto`` pins only when the engine's threads use every CPU of the process; ``none`` never; a list pins
+    thread t to its t-th CPU. Called in a throwaway thread (as AsyncLLM's loop thread calls it), and the
+    pinned engine still computes the same tokens."""
+    import os
+    import threading
+
+    path, prompts, refs = tiny_qwen2
+    allowed = sorted(os.sched_getaffinity(0))
+    threads_before = torch.get_num_threads()
+
+    def bind(**kw: object) -> tuple[list[int] | None, list[list[int]]]:
+        out: dict[str, object] = {}
+
+        def run() -> None:
+            llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32", **kw)
+            out["pinned"] = llm.engine.bind_compute_threads()
+            out["tokens"] = _greedy(llm, prompts)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out["pinned"], out["tokens"]  # type: ignore[return-value]
+
+    try:
+        assert bind(num_threads=len(allowed), cpu_threads_bind="none")[0] is None
+        pinned, tokens = bind(num_threads=len(allowed))
+        assert pinned == allowed and tokens == refs
+        if len(allowed) > 1:
+            assert bind(num_threads=1)[0] is None  # fewer threads than CPUs: left to the OS
+        pinned, tokens = bind(num_threads=2, cpu_threads_bind=str(allowed[-1]))
+        assert pinned == [allowed[-1], allowed[-1]] and tokens == refs
+    finally:
+        torch.set_num_threads(threads_before)
