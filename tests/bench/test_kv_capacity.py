@@ -1,0 +1,45 @@
+"""benchmarks/kv_capacity.py without running the engine: the capacity arithmetic and the table."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_capacity.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kv_capacity", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["kv_capacity"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+kc = _load()
+
+
+def test_capacity_of_smollm2_at_2_gib() -> None:
+    bf16 = kc.capacity("smollm2-135m-instruct", "bfloat16", 2.0, 16, 524)
+    # 16 tokens x K and V x 30 layers x 3 KV heads x 64 x 2 bytes = 368,640 bytes a block
+    assert bf16["block_bytes"] == 368_640 and bf16["blocks"] == (2 << 30) // 368_640 == 5825
+    assert bf16["tokens"] == 5825 * 16 and bf16["max_sequences"] == 5825 // 33  # 524 tokens = 33 blocks
+    for kv in ("int8", "fp8"):
+        cap = kc.capacity("smollm2-135m-instruct", kv, 2.0, 16, 524)
+        assert cap["blocks"] == (2 << 30) // cap["block_bytes"]
+        assert 1.75 <= cap["blocks"] / bf16["blocks"] < 2.0  # 8-bit codes plus their scales
+    assert kc.pool_gib("smollm2-135m-instruct", 16384, 16) == 1024 * 368_640 / (1 << 30)
+
+
+def test_table_rows() -> None:
+    caps = {k: kc.capacity("smollm2-135m-instruct", k, 2.0, 16, 524) for k in ("bfloat16", "int8")}
+    runs = [dict(kv_dtype="bfloat16", output_tok_s=100.0, preemptions=12, other_cpu_frac=0.01),
+            dict(kv_dtype="bfloat16", output_tok_s=120.0, preemptions=10, other_cpu_frac=0.03),
+            dict(kv_dtype="int8", output_tok_s=150.0, preemptions=0, other_cpu_frac=0.02)]
+    rows = kc.summarize(runs, caps)
+    assert rows[0][0] == "bfloat16" and rows[0][3] == "1.00x" and rows[0][5] == "110.0" and rows[0][6] == "12/10"
+    assert rows[0][7] == 0.03
+    assert rows[1][5] == "150.0" and rows[1][6] == "0" and rows[1][3] == f"{caps['int8']['blocks'] / 5825:.2f}x"
