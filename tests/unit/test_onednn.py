@@ -15,10 +15,11 @@ from kvserve.layers.linear import Linear
 from kvserve.models.llama import MLP
 from kvserve.models.registry import ModelArchConfig
 
-pytestmark = pytest.mark.skipif(not onednn._supported(),
-                                reason="needs torch with oneDNN and a CPU with avx512_bf16 or amx_bf16 "
-                                       "(the host has neither)" if not cpu_features.has_native_bf16(cpu_features.host_flags())
-                                       else "(torch without oneDNN, or KVSERVE_DISABLE_NATIVE set)")
+_HOST_HAS_BF16 = cpu_features.has_native_bf16(cpu_features.host_flags())
+pytestmark = pytest.mark.skipif(
+    not onednn._supported(),
+    reason="needs torch with oneDNN and a CPU with avx512_bf16 or amx_bf16 "
+    + ("(torch without oneDNN, or KVSERVE_DISABLE_NATIVE set)" if _HOST_HAS_BF16 else "(the host has neither)"))
 
 
 def _bf16(*shape: int, seed: int) -> torch.Tensor:
