@@ -11,7 +11,8 @@
  *   kv8_row_bytes(D, fmt)    bytes of a row of either format
  *   kv8_scale(row, D)        an fp8 row's float32 scale
  *   kv8_group_scale(row, D, g)  an int8 row's scale of channels 16g .. 16g+15, widened to float32
- *   kv8_dequant_int8(dst, row, D)  an int8 row -> D floats (code * its group's scale: exact)
+ *   kv8_dequant_int8(dst, row, D)  an int8 row -> D floats (code * its group's scale: exact); AVX-512: a group
+ *                            is one 16-lane vector
  *   f16_widen(h)             float16 bits -> float32, exact, branch-free for finite values (no F16C needed)
  *   f16_scale_up(s)          0 < s: the smallest float16 >= s, capped at 65504 (float16's largest finite)
  *   fp8_e4m3_widen(b)        exact e4m3fn -> float32, branch-free (normal: exponent rebased by 120;
@@ -75,14 +76,6 @@ static inline float kv8_group_scale(const void *row, int64_t D, int64_t g) {
     uint16_t h;
     memcpy(&h, (const uint8_t *)row + D + 2 * g, 2);
     return f16_widen(h);
-}
-
-static inline void kv8_dequant_int8(float *restrict dst, const int8_t *restrict row, int64_t D) {
-    for (int64_t g = 0, d0 = 0; d0 < D; g++, d0 += KV8_INT8_GROUP) {
-        const float s = kv8_group_scale(row, D, g);
-        const int64_t n = D - d0 < KV8_INT8_GROUP ? D - d0 : KV8_INT8_GROUP;
-        for (int64_t d = 0; d < n; d++) dst[d0 + d] = (float)row[d0 + d] * s;
-    }
 }
 
 static inline float fp8_e4m3_widen(uint8_t b) {
@@ -151,5 +144,23 @@ static inline __attribute__((always_inline)) __m512 kv8_load16_fp8(const void *p
     return _mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
 }
 #endif
+
+/* an int8 row -> D floats, code x its group's scale (exact in float32) */
+static inline void kv8_dequant_int8(float *restrict dst, const int8_t *restrict row, int64_t D) {
+    const int64_t full = D / KV8_INT8_GROUP * KV8_INT8_GROUP;
+    for (int64_t d0 = 0; d0 < full; d0 += KV8_INT8_GROUP) { /* a 16-wide group: one vector (AVX-512) */
+        const float s = kv8_group_scale(row, D, d0 / KV8_INT8_GROUP);
+#if defined(__AVX512F__)
+        _mm512_storeu_ps(dst + d0, _mm512_mul_ps(kv8_load16_int8(row + d0), _mm512_set1_ps(s)));
+#else /* (without the pragma GCC left this loop scalar in the prefill tile copy: 1.3-1.4x its time, AVX2) */
+        _Pragma("omp simd")
+        for (int d = 0; d < KV8_INT8_GROUP; d++) dst[d0 + d] = (float)row[d0 + d] * s;
+#endif
+    }
+    if (full < D) {
+        const float s = kv8_group_scale(row, D, full / KV8_INT8_GROUP);
+        for (int64_t d = full; d < D; d++) dst[d] = (float)row[d] * s;
+    }
+}
 
 #endif
