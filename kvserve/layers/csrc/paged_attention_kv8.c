@@ -82,7 +82,7 @@ static void NAME(const job8_t *j, int64_t item, float *scores, float *restrict r
         const float inv = 1.f / sum;                                                                       \
         for (int64_t t = 0; t < len; t++) sc[t] *= inv;                                                    \
     }                                                                                                      \
-    memset(o, 0, sizeof(float) * (size_t)(G * D));                                                        \
+    memset(o, 0, sizeof(float) * (size_t)(G * D));                                                         \
     for (int64_t b = 0; b < num_blocks; b++) {                                                             \
         const uint8_t *vb = j->v_cache + table[b] * BS * row + h * W;                                      \
         const int64_t n = len - b * BS < BS ? len - b * BS : BS;                                           \
@@ -113,8 +113,9 @@ static int decode_portable(const job8_t *j, int fmt, int nthreads) {
     const int64_t items = j->num_seqs * j->num_kv_heads, D = j->head_dim;
     int nt = nthreads > items ? (int)items : nthreads;
     if (nt < 1) nt = 1;
-    /* per thread: scores [group][max_len], then a row buffer [D] (int8) on its own 64-byte line */
-    const size_t rows_at = (size_t)(j->group * max_len + 16) / 16 * 16, per_thread = rows_at + (size_t)(D + 16) / 16 * 16;
+    /* per thread: scores [group][max_len], then a row buffer [D] (int8 rows dequantized), 16-float slots */
+    const size_t rows_at = (size_t)(j->group * max_len + 16) / 16 * 16;
+    const size_t per_thread = rows_at + (size_t)(D + 16) / 16 * 16;
     float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);
     if (scratch == NULL) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
