@@ -39,8 +39,9 @@ class EngineConfig:
             (``auto``: bfloat16 on CUDA and on CPUs with native bf16 dot products, ``avx512_bf16`` or
             ``amx_bf16``; float32 on other CPUs).
         kv_cache_dtype: ``auto`` (the model dtype) | ``float32`` | ``bfloat16`` | ``int8`` | ``fp8`` (=
-            ``fp8_e4m3``): the 8-bit formats store a float32 scale per token and KV head with the codes
-            (``layers/kv_quant.py``); the block count of a budget nearly doubles against bfloat16.
+            ``fp8_e4m3``): the 8-bit formats store scales with the codes, int8 a float16 per 16 channels, fp8
+            a float32 per token and KV head (``layers/kv_quant.py``); a budget holds 1.78× (int8) and
+            1.88–1.94× (fp8) the blocks of bfloat16.
         quantization: None (weights in ``dtype``) | ``int8``: the decoder layers' projections and the LM head
             as per-output-channel symmetric int8 with float32 scales, quantized at load from the checkpoint's
             float32 tensors; activations quantized per token at each call (docs/quantization.md). The
@@ -183,8 +184,8 @@ class EngineConfig:
         g.add_argument("--model", default=d.model, help="catalog name, HF folder or .gguf path")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
         g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
-                       help="KV cache dtype; auto: the model dtype; int8 / fp8 (= fp8_e4m3): 8 bits with a "
-                            "float32 scale per token and KV head")
+                       help="KV cache dtype; auto: the model dtype; int8: 8 bits with a float16 scale per 16 "
+                            "channels; fp8 (= fp8_e4m3): 8 bits with a float32 scale per token and KV head")
         g.add_argument("--quantization", default=None,
                        help="int8: int8 weights (per output channel, quantized at load) and int8 activations "
                             "(per token) in every linear of the decoder and the LM head")

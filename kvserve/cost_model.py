@@ -45,20 +45,37 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
-KV8_SCALE_BYTES = 4  # a float32 scale per token and KV head beside its 8-bit codes (kvserve/layers/kv_quant.py)
+KV8_INT8_GROUP = 16  # channels per float16 scale of an int8 KV row (kvserve/layers/kv_quant.py)
+KV8_FP8_SCALE_BYTES = 4  # one float32 scale per fp8 KV row (token, KV head)
 
 
-def kv_bytes_per_token_8bit(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes one token occupies in kvserve's 8-bit (int8 / fp8) KV cache, scales included:
-    ``2 × num_layers × num_kv_heads × (head_dim + 4)``.
-
-    SmolLM2-135M: 2 × 30 × 3 × 68 = 12,240 bytes (bf16: 23,040; the block count grows 1.88×, 1.94× at
-    head_dim 128).
+def kv8_row_bytes(head_dim: int, kv_cache_dtype: str = "int8") -> int:
+    """Bytes of one (token, KV head) row of kvserve's 8-bit KV cache (kvserve/layers/kv_quant.py):
+    ``int8``: ``head_dim`` codes + a 2-byte float16 scale per 16 channels, ``head_dim + 2 × ceil(head_dim / 16)``
+    (72 at head_dim 64, 144 at 128); ``fp8``: ``head_dim`` codes + one float32 scale, ``head_dim + 4``.
 
     Raises:
-        ValueError: any argument is not positive.
+        ValueError: head_dim not positive, or a dtype other than ``int8`` / ``fp8`` / ``fp8_e4m3``.
     """
-    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim + KV8_SCALE_BYTES, 1)
+    _positive("head_dim", head_dim)
+    if kv_cache_dtype == "int8":
+        return head_dim + 2 * -(-head_dim // KV8_INT8_GROUP)
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return head_dim + KV8_FP8_SCALE_BYTES
+    raise ValueError(f"not an 8-bit KV cache dtype: {kv_cache_dtype!r} (int8, fp8, fp8_e4m3)")
+
+
+def kv_bytes_per_token_8bit(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str = "int8") -> int:
+    """Bytes one token occupies in kvserve's 8-bit KV cache, scales included:
+    ``2 × num_layers × num_kv_heads × kv8_row_bytes(head_dim, kv_cache_dtype)``.
+
+    SmolLM2-135M: int8 2 × 30 × 3 × 72 = 12,960 bytes, fp8 2 × 30 × 3 × 68 = 12,240 (bf16: 23,040; the block
+    count grows 1.78× with int8, 1.88× with fp8; at head_dim 128 1.78× and 1.94×).
+
+    Raises:
+        ValueError: any size not positive, or not an 8-bit dtype.
+    """
+    return kv_bytes_per_token(num_layers, num_kv_heads, kv8_row_bytes(head_dim, kv_cache_dtype), 1)
 
 
 def kv_bytes(kv_bytes_per_token: int, seq_len: int) -> int:

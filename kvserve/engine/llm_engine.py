@@ -35,7 +35,7 @@ from kvserve.kv_offload.config import build_tiers
 from kvserve.kv_offload.manager import OffloadManager
 from kvserve.kv_offload.tier import BlockMeta
 from kvserve.layers import cpu_kernels
-from kvserve.layers.kv_quant import KV8_DTYPES
+from kvserve.layers.kv_quant import KV8_DTYPES, layout_tag
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_weights
@@ -76,9 +76,10 @@ def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokeni
 
     Covers the weights (the sha256 of each weight file's contents, so that the same model installed at
     another path or on another host shares KV through a Redis tier, while any changed byte does not), the
-    architecture config, the tokenizer (its full serialized form), the KV dtype, the weights' dtype, the
-    activations' dtype (None: the KV dtype) and the weight quantization (``int8``). Mixed into every
-    prefix-cache block hash, so KV computed by one model can never be served to a request of another.
+    architecture config, the tokenizer (its full serialized form), the KV dtype (and for int8 its row layout,
+    ``kv_quant.layout_tag``: blocks of the earlier per-row int8 layout are never read as the grouped one), the
+    weights' dtype, the activations' dtype (None: the KV dtype) and the weight quantization (``int8``). Mixed
+    into every prefix-cache block hash, so KV computed by one model can never be served to a request of another.
     """
     files = sorted(model_path.iterdir()) if model_path.is_dir() else [model_path]
     weights = sorted(file_digest(f) for f in files if f.is_file() and f.suffix in _WEIGHT_SUFFIXES)
@@ -87,6 +88,7 @@ def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokeni
         "arch": asdict(arch),
         "tokenizer": hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest() if tokenizer else None,
         "kv_dtype": str(kv_dtype),
+        **({"kv_layout": layout_tag(kv_dtype)} if layout_tag(kv_dtype) else {}),
         **({"model_dtype": str(model_dtype)} if model_dtype not in (None, kv_dtype) else {}),
         **({"compute_dtype": str(compute_dtype)} if compute_dtype not in (None, kv_dtype) else {}),
         **({"quantization": quantization} if quantization else {}),

@@ -11,7 +11,7 @@ A step's tokens are laid out decodes first, then prefill chunks::
     prefill group -> one batched SDPA over padded queries [P, max_q]: causal when no chunk has a cached
                      prefix, else with a causal-with-offset mask
 
-8-bit caches (``int8`` / ``fp8``, ``kv_quant.py``) hold rows of codes plus a float32 scale: ``write_kv``
+8-bit caches (``int8`` / ``fp8``, ``kv_quant.py``) hold rows of codes plus their scales: ``write_kv``
 quantizes, the torch path dequantizes only the blocks it gathers, and the native kernels take the rows as
 they are (dequantizing in registers); where the library lacks an 8-bit variant (``cpu_kernels.kv8_features``)
 the call falls back to the torch path.
@@ -146,7 +146,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` (decode tokens first).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, or for an 8-bit cache
-            ``[..., head_dim + 4]`` int8 / uint8 rows (``kv_quant.py``).
+            ``[..., row_elems(head_dim, dtype)]`` int8 / uint8 rows (``kv_quant.py``).
     Returns:
         ``[num_tokens, num_heads * head_dim]``.
     """

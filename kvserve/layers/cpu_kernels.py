@@ -5,8 +5,8 @@ Seven sources under ``csrc/`` build one shared library:
 * ``small_gemm.c``: the linear layers and the LM head at small M (decode): weights streamed at the memory
   bandwidth, float32 or bfloat16 weights, AVX2/AVX-512 FMA or AVX512-BF16 dot products;
 * ``paged_attention.c``: decode attention reading K/V in place from the paged cache (float32 or bfloat16);
-* ``paged_attention_kv8.c``: the same over an 8-bit cache (int8 / fp8 codes with per-row scales, ``kv8.h``),
-  dequantizing in registers;
+* ``paged_attention_kv8.c``: the same over an 8-bit cache (int8 codes with a scale per 16 channels, fp8 codes
+  with a scale per row, ``kv8.h``), dequantizing in registers;
 * ``prefill_attention.c``: prefill attention (fresh prompts and chunks continuing a cached prefix) over
   the paged cache in place, flash-attention style; AVX512-BF16 dot products on bf16 inputs where available;
   8-bit caches widened tile by tile into L1;
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from kvserve.layers.kv_quant import SCALE_BYTES, format_code
+from kvserve.layers.kv_quant import format_code, row_elems
 from kvserve.models.catalog import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Args:
         q: ``[num_seqs, num_kv_heads, group, head_dim]`` (any float dtype; computed in float32), on CPU.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, or 8-bit
-            ``[..., head_dim + 4]`` int8 / uint8 (fp8) rows of codes and a float32 scale (``kv_quant.py``;
+            ``[..., row_elems(head_dim, dtype)]`` int8 / uint8 (fp8) rows of codes and scales (``kv_quant.py``;
             dequantized in registers), contiguous.
         block_tables: ``[num_seqs, max_blocks]`` int64 (entries past a sequence's length are ignored).
         seq_lens: ``[num_seqs]`` int64, keys attended per sequence (>= 1).
@@ -240,7 +240,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q32)
     fn, fmt = lib.paged_decode_attention, 0
     if k_cache.dtype in (torch.int8, torch.uint8):
-        assert k_cache.shape[3] == head_dim + SCALE_BYTES and v_cache.dtype == k_cache.dtype
+        assert k_cache.shape[3] == row_elems(head_dim, k_cache.dtype) and v_cache.dtype == k_cache.dtype
         fn, fmt = lib.paged_decode_attention_kv8, format_code(k_cache)
     else:
         fmt = _bf16_flag(k_cache)
@@ -303,11 +303,13 @@ def rope_write_kv8(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     Args:
         qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` float32 or bfloat16, contiguous.
         positions, slot_mapping: ``[T]`` int64. cos, sin: ``[max_position, head_dim]`` float32 tables.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim + 4]`` int8 or uint8 (fp8).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, row_elems(head_dim, dtype)]`` int8 or uint8
+            (fp8).
     Raises:
         RuntimeError: head_dim over 1,024.
     """
-    assert qkv.is_contiguous() and k_cache.dtype == v_cache.dtype and k_cache.shape[3] == head_dim + SCALE_BYTES
+    assert qkv.is_contiguous() and k_cache.dtype == v_cache.dtype
+    assert k_cache.shape[3] == row_elems(head_dim, k_cache.dtype)
     rc = _lib().rope_write_kv8(qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.shape[0],
                                num_heads, num_kv_heads, head_dim, _bf16_flag(qkv), format_code(k_cache))
@@ -372,7 +374,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q: ``[num_tokens, num_heads, head_dim]`` float32 or bfloat16, on CPU; rows may be strided (a view
             into the fused QKV projection) but each row's heads must be contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, or 8-bit
-            ``[..., head_dim + 4]`` int8 / uint8 (fp8) rows of codes and a float32 scale (``kv_quant.py``),
+            ``[..., row_elems(head_dim, dtype)]`` int8 / uint8 (fp8) rows of codes and scales (``kv_quant.py``),
             contiguous, one dtype.
         block_tables: ``[num_seqs, max_blocks]`` int64; entries past a sequence's keys are not read.
         q_start, q_len, offsets: ``[num_seqs]`` int64.
@@ -395,9 +397,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     q_bf16, kv_fmt = _bf16_flag(q), format_code(k_cache)
-    if kv_fmt >= 2:
-        cache_dim -= SCALE_BYTES  # 8-bit rows: codes, then the scale
-    if (cache_dim != head_dim or v_cache.shape != k_cache.shape or num_heads % num_kv_heads
+    row = row_elems(head_dim, k_cache.dtype) if kv_fmt >= 2 else head_dim  # 8-bit rows: codes, then scales
+    if (cache_dim != row or v_cache.shape != k_cache.shape or num_heads % num_kv_heads
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise RuntimeError(f"paged_prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)}"
                            " (contiguous, num_heads a multiple of num_kv_heads)")

@@ -114,8 +114,10 @@ def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | 
     w_bytes = dtype_bytes(opts.dtype)
     kv_dtype = opts.dtype if opts.kv_cache_dtype == "auto" else opts.kv_cache_dtype
     b = dtype_bytes(kv_dtype)
-    # the 8-bit caches' real layout: codes plus a float32 scale per token and KV head
-    bpt8 = cm.kv_bytes_per_token_8bit(a.num_hidden_layers, a.num_key_value_heads, a.head_dim)
+    # the 8-bit caches' real layouts, scales included (int8: a float16 per 16 channels; fp8: a float32 per row);
+    # the 8-bit comparison shows the chosen 8-bit format, else int8
+    kv8 = kv_dtype if b == 1 else "int8"
+    bpt8 = cm.kv_bytes_per_token_8bit(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, kv8)
     bpt = bpt8 if b == 1 else cm.kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, b)
     weights = info.int8_weight_bytes(w_bytes) if opts.quantization == "int8" else info.weight_bytes(w_bytes)
     kv_mem = (opts.kv_cache_memory_bytes if opts.kv_cache_memory_bytes is not None else
@@ -168,7 +170,7 @@ def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | 
 
     spec = spec_decode_section(opts.draft_cost_ratio, acceptance)
 
-    quant = {"kv_bytes_per_token_8bit": bpt8, "concurrency_gain": bpt / bpt8,
+    quant = {"kv_cache_dtype_8bit": kv8, "kv_bytes_per_token_8bit": bpt8, "concurrency_gain": bpt / bpt8,
              "rows": [{"seq_len": r["seq_len"], "max_concurrency": r["max_concurrency"],
                        "max_concurrency_8bit": r["max_concurrency_8bit"]} for r in per_seq_len]}
 

@@ -90,7 +90,8 @@ def render_plan(plan: dict[str, Any], console: Console | None = None) -> None:
                      _s(r["fetch_s"]), _s(r["recompute_s"]), r["choice"]] for r in f["rows"]]))
     c.print(spec_decode_table(plan["spec_decode"]))
     q = plan["kv_8bit"]
-    c.print(_table(f"8-bit KV cache: {q['kv_bytes_per_token_8bit']:,} B/token, {q['concurrency_gain']:g}× concurrency",
+    c.print(_table(f"8-bit KV cache ({q['kv_cache_dtype_8bit']}): {q['kv_bytes_per_token_8bit']:,} B/token, "
+                   f"{q['concurrency_gain']:g}× concurrency",
                    ["seq len", "max concurrency", "with 8-bit KV"],
                    [[f"{r['seq_len']:,}", f"{r['max_concurrency']:,}", f"{r['max_concurrency_8bit']:,}"]
                     for r in q["rows"]]))

@@ -2,8 +2,8 @@
 
 Caches of a logical KV dtype ``kv_dtype`` (float32, bfloat16, or the 8-bit ``int8`` / ``float8_e4m3fn``) are
 tensors of ``storage_dtype(kv_dtype)`` shaped ``[num_blocks, block_size, num_kv_heads, row_elems]``, where a
-row is ``head_dim`` elements, or for 8 bits ``head_dim`` codes plus a 4-byte float32 scale
-(``layers/kv_quant.py``).
+row is ``head_dim`` elements, or for 8 bits ``head_dim`` codes plus their scales: int8 a 2-byte float16 per 16
+channels, fp8 one 4-byte float32 (``layers/kv_quant.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ GiB = 1 << 30
 def block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block over all layers, scales included: ``block_size × kv_bytes_per_token``, i.e.
     ``block_size × 2 × layers × kv_heads × head_dim × element_size`` for float32 / bfloat16 and
-    ``block_size × 2 × layers × kv_heads × (head_dim + 4)`` for int8 / fp8 (SmolLM2, 16-token blocks:
-    bfloat16 368,640 bytes, 8-bit 195,840: 1.88× the blocks at head_dim 64, 1.94× at 128)."""
+    ``block_size × 2 × layers × kv_heads × row_elems`` for int8 (``head_dim + 2 ceil(head_dim / 16)``) / fp8
+    (``head_dim + 4``) (SmolLM2, 16-token blocks: bfloat16 368,640 bytes, int8 207,360, fp8 195,840: 1.78× the
+    blocks with int8 at any head_dim a multiple of 16, 1.88× with fp8 at head_dim 64, 1.94× at 128)."""
     return block_size * kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, dtype)
 
 

@@ -89,10 +89,10 @@ class ModelRunner:
         num_host_blocks: blocks of the host swap pool (``kv_cache.num_host_blocks_for(swap_space)``);
             0: no pool, swap preemption impossible.
         kv_dtype: the KV cache's dtype (None: the model's); ``torch.int8`` / ``torch.float8_e4m3fn`` for the
-            8-bit caches (rows of codes plus a float32 scale, ``layers/kv_quant.py``).
+            8-bit caches (rows of codes plus their scales, ``layers/kv_quant.py``).
 
     Swap layout: the device cache and the host pool have the same per-layer block shape, so a swap is a
-    row copy per layer (``row`` = head_dim, or head_dim + 4 bytes of codes and scale for an 8-bit cache, so
+    row copy per layer (``row`` = head_dim, or ``kv_quant.row_elems`` bytes of codes and scales for an 8-bit cache, so
     swaps, copy-on-write and offload payloads carry the scales with the codes)::
 
         kv_caches[l][0|1]      [num_blocks,      block_size, num_kv_heads, row]   (device)

@@ -468,8 +468,9 @@ def test_BC_23_quantized_kv_cache_quality() -> None:
     plus 20 short factual prompts, each run twice (the second run on the cached, quantized blocks).
 
     Per 8-bit format: the 8-bit engine scores auto's greedy tokens (teacher-forced prompt logprobs) within a
-    mean 0.05 (int8) / 0.06 (fp8) nats/token of auto's own scores; the first 8 greedy tokens equal auto's on
-    >= 70 % of prompts (the case's 90 % is not met on this 135M model: 76 % measured, see the NOTE);
+    mean 0.013 (int8) / 0.06 (fp8) nats/token of auto's own scores; the first 8 greedy tokens equal auto's on
+    >= 90 % of prompts for int8 (the case's target; 21 / 21 measured with a float16 scale per 16 channels,
+    17 / 21 with the earlier per-row scale) and >= 70 % for fp8 (18 / 21 measured, see the NOTE);
     "hello" is answered and ends as auto's does (BC-23's symptom: unreadable text running to the limit); the
     cache-hit run equals the cache-miss run. Unsupported KV dtypes are refused at start-up."""
     from kvserve.errors import InvalidRequestError
@@ -509,12 +510,14 @@ def test_BC_23_quantized_kv_cache_quality() -> None:
               f"difference {mean_diff:.4f} nats/token; hello: {tok.decode(miss[0].token_ids)!r} "
               f"({len(miss[0].token_ids)} tokens, {miss[0].finish_reason}; auto: {len(ref_gens[0])}, "
               f"{ref[0].finish_reason})")
-        # tuned per model, as the case says: measured 0.018 (int8) and 0.047 (fp8) nats/token on SmolLM2-135M
-        limit = 0.05 if kv == "int8" else 0.06
+        # tuned per model, as the case says: measured 0.0093 (int8; 0.0175 with per-row scales) and 0.047 (fp8)
+        # nats/token on SmolLM2-135M
+        limit = 0.013 if kv == "int8" else 0.06
         assert mean_diff < limit, f"{kv}: mean teacher-forced logprob difference {mean_diff:.4f} nats/token"
-        # NOTE: the case asks >= 90 %; measured 16 / 21 (76 %) for both formats on SmolLM2-135M, each
-        # divergence at a near tie of the fp32 model (tests/model/test_kv8_quality.py prints the gaps).
-        assert same8 >= 0.7 * len(prompts), f"{kv}: first 8 tokens equal on {same8} of {len(prompts)}"
+        # NOTE: the case asks >= 90 %; fp8 measured 18 / 21 (86 %) on SmolLM2-135M, each divergence at a near
+        # tie of the fp32 model (tests/model/test_kv8_quality.py prints the gaps).
+        share = 0.9 if kv == "int8" else 0.7
+        assert same8 >= share * len(prompts), f"{kv}: first 8 tokens equal on {same8} of {len(prompts)}"
         assert miss[0].finish_reason == ref[0].finish_reason and len(miss[0].token_ids) <= 64
         assert tok.decode(miss[0].token_ids).strip(), f"{kv}: empty reply to hello"
     for bad in ("fp8_e5m2", "int4", "float8"):

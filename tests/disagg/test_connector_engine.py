@@ -213,8 +213,8 @@ def test_kv_of_another_model_is_refused_and_recomputed(model: Path, tmp_path: Pa
 
 
 def test_an_8bit_cache_moves_codes_and_scales(model: Path) -> None:
-    """int8 KV on both sides: the payloads carry the codes and their per-row scales, and D continues exactly
-    as one engine with the same int8 cache."""
+    """int8 KV on both sides: the payloads carry the codes and their scales (head_dim 16: one float16 per row),
+    and D continues exactly as one engine with the same int8 cache."""
     single, p, d = (_llm(model, role, kv_cache_dtype="int8") for role in (None, "kv_producer", "kv_consumer"))
     try:
         prompt = PROMPTS[29]
@@ -223,7 +223,7 @@ def test_an_8bit_cache_moves_codes_and_scales(model: Path) -> None:
         assert tokens == ref
         c = d.engine.connector
         assert c is not None and c.snapshot().bytes_received == 8 * c.block_nbytes
-        assert c.block_nbytes == BS * 2 * 3 * 2 * (16 + 4)  # tokens x K,V x layers x kv heads x (head_dim + scale)
+        assert c.block_nbytes == BS * 2 * 3 * 2 * (16 + 2)  # tokens x K,V x layers x kv heads x (head_dim + scale)
     finally:
         for llm in (single, p, d):
             llm.engine.close()

@@ -19,8 +19,9 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
 from kvserve.core.block_hash import BlockHash
 from kvserve.core.block_manager import BlockId
+from kvserve.engine import llm_engine
+from kvserve.engine.llm_engine import model_fingerprint
 from kvserve.errors import InvalidRequestError
-from kvserve.layers.kv_quant import SCALE_BYTES
 from kvserve.worker.kv_cache import GiB
 
 BS = 4
@@ -32,6 +33,7 @@ _gen = torch.Generator().manual_seed(13)
 PROMPTS = [torch.randint(0, 512, (PROMPT_LEN,), generator=_gen).tolist() for _ in range(6)]
 KV8 = ["int8", "fp8"]
 LAYERS, KV_HEADS, HEAD_DIM = 3, 2, 64
+ROW = {"int8": HEAD_DIM + 2 * 4, "fp8": HEAD_DIM + 4}  # codes + 4 float16 scales (one per 16) / one float32 scale
 
 
 @pytest.fixture(scope="module")
@@ -70,21 +72,22 @@ def reference(model: Path) -> dict[str, list[list[int]]]:
 
 @pytest.mark.parametrize("kv", KV8)
 def test_cache_layout_and_exact_block_counts(model: Path, kv: str) -> None:
-    """Rows of head_dim codes + a float32 scale; a budget holds floor(budget / block_bytes) blocks with
-    block_bytes = block_size x 2 x layers x kv_heads x (head_dim + 4): 1.88x the blocks of a bf16 cache."""
+    """Rows of head_dim codes + their scales (int8: a float16 per 16 channels, 72 bytes; fp8: a float32, 68); a
+    budget holds floor(budget / block_bytes) blocks with block_bytes = block_size x 2 x layers x kv_heads x row:
+    1.78x (int8) and 1.88x (fp8) the blocks of a bf16 cache."""
     llm = _llm(model, kv, num_gpu_blocks_override=None, kv_cache_memory=0.01)
     bf16 = _llm(model, "bfloat16", num_gpu_blocks_override=None, kv_cache_memory=0.01)
     runner = llm.engine.runner
     k_cache = runner.kv_caches[0][0]
     assert k_cache.dtype == {"int8": torch.int8, "fp8": torch.uint8}[kv]
-    assert k_cache.shape[1:] == (BS, KV_HEADS, HEAD_DIM + SCALE_BYTES)
+    assert k_cache.shape[1:] == (BS, KV_HEADS, ROW[kv])
     assert llm.engine.kv_dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
-    block8 = BS * 2 * LAYERS * KV_HEADS * (HEAD_DIM + SCALE_BYTES)  # 3,264
+    block8 = BS * 2 * LAYERS * KV_HEADS * ROW[kv]
     block16 = BS * 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # 6,144
-    assert llm.engine.kv_block_bytes() == runner.block_bytes == block8
+    assert llm.engine.kv_block_bytes() == runner.block_bytes == block8 == {"int8": 3456, "fp8": 3264}[kv]
     assert bf16.engine.kv_block_bytes() == block16
     budget = int(0.01 * GiB)
-    assert llm.engine.num_blocks == budget // block8 == 3289
+    assert llm.engine.num_blocks == budget // block8 == {"int8": 3106, "fp8": 3289}[kv]
     assert bf16.engine.num_blocks == budget // block16 == 1747
     assert llm.engine.runner.host_kv_caches[0][0].shape[1:] == k_cache.shape[1:]  # the swap pool, scales too
 
@@ -98,17 +101,17 @@ def test_export_import_round_trip_is_exact(model: Path, kv: str) -> None:
     for k, v in runner.kv_caches:
         k.copy_(torch.randint(-128, 128, k.shape, generator=g, dtype=torch.int16).to(torch.uint8).view(k.dtype))
         v.copy_(torch.randint(-128, 128, v.shape, generator=g, dtype=torch.int16).to(torch.uint8).view(v.dtype))
-    assert runner.offload_block_shape == (LAYERS, 2, BS, KV_HEADS, HEAD_DIM + SCALE_BYTES)
+    assert runner.offload_block_shape == (LAYERS, 2, BS, KV_HEADS, ROW[kv])
     src = [(BlockId(3), BlockHash(b"a"), False), (BlockId(9), BlockHash(b"b"), True)]
     payloads = runner.export_blocks(src)
-    assert [len(p) for _, p, _ in payloads] == [LAYERS * 2 * BS * KV_HEADS * (HEAD_DIM + SCALE_BYTES)] * 2
+    assert [len(p) for _, p, _ in payloads] == [LAYERS * 2 * BS * KV_HEADS * ROW[kv]] * 2
     runner.import_blocks([(BlockId(5), payloads[0][1]), (BlockId(12), payloads[1][1])])
     for k, v in runner.kv_caches:
         assert torch.equal(k[5], k[3]) and torch.equal(v[12], v[9])
     again = runner.export_blocks([(BlockId(5), BlockHash(b"a"), False), (BlockId(12), BlockHash(b"b"), False)])
     assert [p for _, p, _ in again] == [p for _, p, _ in payloads]
     with pytest.raises(ValueError, match="expected"):
-        runner.import_blocks([(BlockId(1), payloads[0][1][:-SCALE_BYTES])])  # the scales are part of the size
+        runner.import_blocks([(BlockId(1), payloads[0][1][:-(ROW[kv] - HEAD_DIM)])])  # the scales are part of it
 
 
 @pytest.mark.parametrize("kv", KV8)
@@ -157,7 +160,7 @@ def test_offload_cpu_tier_round_trip(model: Path, reference: dict[str, list[list
         offload = llm.engine.offload
         assert offload is not None
         offload.flush()
-        assert offload.block_nbytes == LAYERS * 2 * BS * KV_HEADS * (HEAD_DIM + SCALE_BYTES)
+        assert offload.block_nbytes == LAYERS * 2 * BS * KV_HEADS * ROW[kv]
         for i in (0, 1):  # evicted from the device by the prompts after them
             assert _run(llm, [PROMPTS[i]]) == ([reference[kv][i]], [HIT])
         assert offload.tiers[0].stats.loads == 2 * HIT // BS
@@ -168,9 +171,18 @@ def test_offload_cpu_tier_round_trip(model: Path, reference: dict[str, list[list
 def test_8bit_dtypes_are_named_and_others_refused(model: Path) -> None:
     """vLLM's spellings: fp8 = fp8_e4m3 (one cache, one fingerprint); int8 and fp8 blocks never mix with each
     other or with float caches (the fingerprint names the KV dtype); an unsupported name fails at start-up."""
-    prints = {kv: _llm(model, kv).engine.fingerprint for kv in ("int8", "fp8", "fp8_e4m3", "float32")}
+    engines = {kv: _llm(model, kv).engine for kv in ("int8", "fp8", "fp8_e4m3", "float32")}
+    prints = {kv: e.fingerprint for kv, e in engines.items()}
     assert prints["fp8"] == prints["fp8_e4m3"]
     assert len({prints["int8"], prints["fp8"], prints["float32"]}) == 3
+    # the int8 row layout (a float16 scale per 16 channels) is named too: a block of the earlier per-row int8
+    # layout (68 bytes a row at head_dim 64; as wide as the grouped row at head_dim 17-32) never matches
+    e = engines["int8"]
+    args = (e.model_path, e.arch, e.tokenizer, e.kv_dtype, e.dtype, e.compute_dtype)
+    assert prints["int8"] == model_fingerprint(*args)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm_engine, "layout_tag", lambda dtype: None)
+        assert model_fingerprint(*args) != prints["int8"]
     for bad in ("fp8_e5m2", "uint8", "int4"):
         with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
             EngineConfig(kv_cache_dtype=bad)

@@ -1,22 +1,27 @@
-"""SmolLM2-135M-Instruct over an 8-bit KV cache (int8, fp8) against the same fp32 model over its fp32 cache.
+"""SmolLM2-135M-Instruct over an 8-bit KV cache (int8, fp8) against the same fp32 model over its fp32 cache, and
+over a bf16 cache (the issue's baseline: "agrees with the bf16 cache").
 
 vLLM's ``check_logprobs_close``, teacher-forced as tests/model/test_bf16_logprobs.py does it: the 8-bit
 engine generates greedily with ``logprobs=5``; the fp32 engine scores the same tokens (one prompt-logprobs
 pass over prompt + generated tokens), so positions after a divergence stay comparable. Free-running, the
-8-bit greedy tokens are compared with the fp32 greedy tokens up to the first divergence, over the 8
-reference prompts (tests/model/test_hf_equivalence.py) x 32 tokens.
+8-bit greedy tokens are compared with the fp32 (and bf16-cache) greedy tokens up to the first divergence,
+over the 8 reference prompts (tests/model/test_hf_equivalence.py) x 32 tokens.
 
-Measured (the numbers this test prints), and what the issue asked for:
+Measured (the numbers this test prints; int8 with a float16 scale per 16 channels, native kernels on an
+AVX-512 host), and what the issue asked for:
 
-* teacher-forced |logprob difference| of the chosen tokens: mean 0.018 nats (int8), 0.04 (fp8);
+* teacher-forced |logprob difference| of the chosen tokens: mean 0.0094 nats (int8; 0.0192 with the earlier
+  per-row scale), 0.038 (fp8);
 * top-5 containment (each side's token in the other's top-5 where they differ): int8 at every position;
   fp8 at all but one of 256 (prompt 3, the Chinese one, position 0: a flat distribution, top logprob
-  -2.2, where fp8's ~2.4 % rms error per element moves fp32's argmax by 0.4 nats, out of fp8's top-5);
-* greedy agreement up to the first divergence: 0.61 (int8) and 0.63 (fp8) of the tokens on average, NOT
-  the issue's >= 0.9: every first divergence is at a near tie of the fp32 model (top-2 gap 0.002-0.15
-  nats), which a per-token 8-bit cache's ~1 % (int8) / ~2.4 % (fp8) rms error flips, where bf16's 0.2 %
-  does not (bf16 KV agrees on 8 / 8 prompts). The assertions below hold these measured levels with a margin
-  and check that every divergence is at such a near tie.
+  -2.2, where fp8's ~2.4 % rms error per element moves fp32's argmax by 0.5 nats, out of fp8's top-5);
+* greedy agreement up to the first divergence: int8 0.805 against the fp32 cache and 0.789 against the bf16
+  cache, fp8 0.598 and 0.598, NOT the issue's >= 0.9. Each divergence is at a near tie of the baseline (top-2
+  gap 0.08 nats at int8's two, prompt 2 position 12 and prompt 7 position 2), and this metric is decided by
+  a handful of such ties: int8 with per-row scales measured 0.785 (0.770) here with twice the logprob error;
+  simulations of the grouped format with the scale perturbed by float16-sized amounts (docs/kv_cache_8bit.md)
+  spread over 0.78-0.97. The assertions hold the measured levels with a margin (int8 above fp8, and above
+  the per-row layout in logprob error), and check that every divergence is at a near tie.
 
 Also: the block counts of both 8-bit formats for a budget, exactly, against bf16.
 """
@@ -52,6 +57,13 @@ def prompt_ids(fp32: LLM) -> list[list[int]]:
     return [tok.encode(p) for p in TEXT_PROMPTS] + [tok.apply_chat_template(m) for m in CHAT_PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def bf16_cache_tokens(prompt_ids: list[list[int]]) -> list[list[int]]:
+    """The fp32 model's greedy tokens over a bf16 KV cache."""
+    llm = LLM(MODEL, kv_cache_memory=0.05, dtype="float32", kv_cache_dtype="bfloat16")
+    return [o.outputs[0].token_ids for o in _greedy(llm, prompt_ids)]
+
+
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[RequestOutput]:
     sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=TOP_K)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -73,8 +85,15 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def agreement(gens: list[list[int]], refs: list[list[int]]) -> tuple[float, list[int]]:
+    """Mean over prompts of the fraction of ``NEW`` tokens equal up to the first divergence, and those indices."""
+    firsts = [first_divergence(g, r) for g, r in zip(gens, refs, strict=True)]
+    return sum(f / NEW for f in firsts) / len(firsts), firsts
+
+
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
-def test_8bit_cache_is_logprobs_close_to_fp32(fp32: LLM, prompt_ids: list[list[int]], kv: str) -> None:
+def test_8bit_cache_is_logprobs_close_to_fp32(fp32: LLM, prompt_ids: list[list[int]],
+                                              bf16_cache_tokens: list[list[int]], kv: str) -> None:
     llm = LLM(MODEL, kv_cache_memory=0.05, dtype="float32", kv_cache_dtype=kv)
     assert llm.engine.runner.native_decode == fp32.engine.runner.native_decode
     outs = _greedy(llm, prompt_ids)
@@ -92,30 +111,36 @@ def test_8bit_cache_is_logprobs_close_to_fp32(fp32: LLM, prompt_ids: list[list[i
             h = next(tok for tok, x in row.items() if x.rank == 1)
             if t != h and not (row[t].rank <= TOP_K and h in dict(lp.top)):
                 failures.append(f"prompt {n} position {j}: {kv} token {t} (fp32 rank {row[t].rank}), fp32 argmax {h}")
-    firsts = [first_divergence(g, r) for g, r in zip(gens, ref_gens, strict=True)]
-    agreement = sum(f / NEW for f in firsts) / len(firsts)
+    agree, firsts = agreement(gens, ref_gens)
+    agree_bf16, firsts_bf16 = agreement(gens, bf16_cache_tokens)
     gaps = []  # the fp32 model's top-2 logprob gap where the 8-bit run first leaves it
     for f, r in zip(firsts, refs, strict=True):
         if f < NEW:
             top = r.outputs[0].logprobs[f].top  # type: ignore[index]
             gaps.append(top[0][1] - top[1][1])
     mean_diff = sum(diffs) / len(diffs)
-    print(f"\n{kv}: first divergences {firsts} of {NEW}, agreement {agreement:.3f}; fp32 top-2 gaps there "
-          f"{[round(g, 4) for g in gaps]}; teacher-forced |logprob difference| mean {mean_diff:.4f} nats; "
-          f"top-5 containment failures {len(failures)} of {len(diffs)}")
-    assert mean_diff < 0.05
+    print(f"\n{kv}: first divergences {firsts} of {NEW}, agreement {agree:.3f}; fp32 top-2 gaps there "
+          f"{[round(g, 4) for g in gaps]}; against the bf16 cache {firsts_bf16}, agreement {agree_bf16:.3f}; "
+          f"teacher-forced |logprob difference| mean {mean_diff:.4f} nats; top-5 containment failures "
+          f"{len(failures)} of {len(diffs)}")
+    # int8: half the per-row layout's 0.0192 nats (a regression to per-row scales fails here)
+    assert mean_diff < (0.013 if kv == "int8" else 0.05)
     assert len(failures) <= (0 if kv == "int8" else 1), "top-5 containment violated:\n" + "\n".join(failures)
     # Where a greedy path leaves fp32's, fp32's own top-2 gap must be small: int8 codes carry 7 bits of
     # mantissa-equivalent precision, e4m3 only 3 (16x the relative error per element), so fp8 may flip wider
     # gaps. (fp8 measured 0.54 nats at one prompt's first token once RMSNorm's float sum changed order.)
     bound = 0.25 if kv == "int8" else 0.6
     assert all(g < bound for g in gaps), f"a divergence away from a near tie: gaps {gaps} (bound {bound})"
-    assert agreement >= 0.5, firsts  # (the issue's target is 0.9; see the module docstring)
+    # the issue's target is 0.9 (see the module docstring: measured int8 0.805 / 0.789, fp8 0.598 / 0.598)
+    floor = 0.7 if kv == "int8" else 0.5
+    assert agree >= floor and agree_bf16 >= floor, (firsts, firsts_bf16)
 
 
 def test_8bit_block_counts_against_bf16() -> None:
-    """SmolLM2 (30 layers, 3 KV heads x 64): bf16 blocks of 16 tokens are 368,640 bytes; 8-bit blocks
-    16 x 2 x 30 x 3 x (64 + 4) = 195,840 bytes (the scales included), so 0.25 GiB holds 728 vs 1,370 blocks."""
+    """SmolLM2 (30 layers, 3 KV heads x 64): bf16 blocks of 16 tokens are 368,640 bytes; int8 blocks
+    16 x 2 x 30 x 3 x (64 + 4 x 2) = 207,360 bytes (a float16 scale per 16 channels), fp8 blocks
+    16 x 2 x 30 x 3 x (64 + 4) = 195,840 (a float32 scale per row), so 0.25 GiB holds 728 bf16 blocks, 1,294
+    int8 (1.78x) and 1,370 fp8 (1.88x)."""
     counts = {}
     for kv in ("bfloat16", "int8", "fp8"):
         llm = LLM(MODEL, kv_cache_memory=0.25, dtype="float32", kv_cache_dtype=kv)
@@ -123,5 +148,6 @@ def test_8bit_block_counts_against_bf16() -> None:
         del llm
     budget = int(0.25 * GiB)
     assert counts["bfloat16"] == (budget // 368_640, 368_640) == (728, 368_640)
-    assert counts["int8"] == counts["fp8"] == (budget // 195_840, 195_840) == (1370, 195_840)
+    assert counts["int8"] == (budget // 207_360, 207_360) == (1294, 207_360)
+    assert counts["fp8"] == (budget // 195_840, 195_840) == (1370, 195_840)
     assert torch.finfo(torch.float8_e4m3fn).max == 448.0  # the fp8 scale's divisor

@@ -30,11 +30,35 @@ def test_kv_bytes_per_token() -> None:
 
 
 def test_kv_bytes_per_token_8bit_counts_the_scales() -> None:
-    """kvserve's int8 / fp8 rows: head_dim codes + a 4-byte float32 scale per token and KV head."""
-    assert cm.kv_bytes_per_token_8bit(30, 3, 64) == 12_240  # 2 × 30 × 3 × 68
-    assert cm.kv_bytes_per_token_8bit(28, 2, 128) == 2 * 28 * 2 * 132
+    """kvserve's 8-bit rows: int8 is head_dim codes + a 2-byte float16 scale per 16 channels, fp8 head_dim codes +
+    one 4-byte float32 scale per token and KV head; the last int8 group may be shorter."""
+    assert cm.kv_bytes_per_token_8bit(30, 3, 64) == 12_960  # int8 (the default): 2 × 30 × 3 × (64 + 8)
+    assert cm.kv_bytes_per_token_8bit(30, 3, 64, "int8") == 12_960
+    assert cm.kv_bytes_per_token_8bit(30, 3, 64, "fp8") == cm.kv_bytes_per_token_8bit(30, 3, 64, "fp8_e4m3") == 12_240
+    assert cm.kv_bytes_per_token_8bit(28, 2, 128, "int8") == 2 * 28 * 2 * 144
+    assert cm.kv_bytes_per_token_8bit(28, 2, 128, "fp8") == 2 * 28 * 2 * 132
+    assert [cm.kv8_row_bytes(d) for d in (64, 128, 24, 16, 17, 1)] == [72, 144, 28, 18, 21, 3]
+    # against bf16 (2 bytes per element): int8 holds 1.78× the tokens at any multiple of 16, fp8 1.88× / 1.94×
+    assert cm.kv_bytes_per_token(30, 3, 64, 2) / cm.kv_bytes_per_token_8bit(30, 3, 64) == pytest.approx(16 / 9)
+    assert cm.kv_bytes_per_token(28, 2, 128, 2) / cm.kv_bytes_per_token_8bit(28, 2, 128) == pytest.approx(16 / 9)
     with pytest.raises(ValueError, match="num_layers"):
         cm.kv_bytes_per_token_8bit(0, 3, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        cm.kv8_row_bytes(0)
+    with pytest.raises(ValueError, match="8-bit"):
+        cm.kv_bytes_per_token_8bit(30, 3, 64, "bfloat16")
+
+
+def test_8bit_bytes_match_the_cache_layout() -> None:
+    """The cost model (no torch) and the cache's own layout (``kv_quant``) count the same bytes."""
+    import torch
+
+    from kvserve.layers import kv_quant
+
+    for head_dim in (64, 128, 80, 24, 1):
+        for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+            assert cm.kv_bytes_per_token_8bit(30, 3, head_dim, name) == \
+                kv_quant.kv_bytes_per_token(30, 3, head_dim, dtype)
 
 
 def test_kv_bytes() -> None:

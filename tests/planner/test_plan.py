@@ -38,10 +38,12 @@ def test_plan_values_for_smollm2(info: ModelInfo) -> None:
     assert r2048["kv_bytes"] == 94_371_840  # 46,080 × 2,048
     assert r512["max_concurrency"] == 91  # floor(2 GiB / 23,592,960)
     assert r2048["max_concurrency"] == 22  # floor(2,147,483,648 / 94,371,840) = floor(22.76)
-    # 8-bit rows carry a float32 scale: 2 × 30 × 3 × (64 + 4) = 12,240 B/token; × 2,048 = 25,067,520
-    assert plan["kv_8bit"]["kv_bytes_per_token_8bit"] == 12_240
-    assert r2048["max_concurrency_8bit"] == 85  # floor(2,147,483,648 / 25,067,520) = floor(85.67)
-    assert plan["kv_8bit"]["concurrency_gain"] == pytest.approx(46_080 / 12_240)
+    # the 8-bit row (int8, for an fp32 cache) carries a float16 scale per 16 channels:
+    # 2 × 30 × 3 × (64 + 8) = 12,960 B/token; × 2,048 = 26,542,080
+    assert plan["kv_8bit"]["kv_cache_dtype_8bit"] == "int8"
+    assert plan["kv_8bit"]["kv_bytes_per_token_8bit"] == 12_960
+    assert r2048["max_concurrency_8bit"] == 80  # floor(2,147,483,648 / 26,542,080) = floor(80.91)
+    assert plan["kv_8bit"]["concurrency_gain"] == pytest.approx(46_080 / 12_960)
     rows = {r["batch"]: r for r in plan["roofline"]["rows"]}
     # batch 1: (538,060,032 + 94,371,840) / 1e10 = 63.24 ms
     assert rows[1]["step_s"] == pytest.approx(0.0632431872)
@@ -78,6 +80,10 @@ def test_kv_cache_dtype_and_memory_budget(info: ModelInfo) -> None:
                        bandwidth_bytes_per_s=1e10, copy_bytes_per_s=1e10)
     plan = build_plan(info, opts)
     assert plan["kv"]["kv_bytes_per_token"] == 12_240  # kvserve's fp8 layout: 2 × 30 × 3 × (64 + 4 scale bytes)
+    assert plan["kv_8bit"]["kv_cache_dtype_8bit"] == "fp8" and plan["kv_8bit"]["kv_bytes_per_token_8bit"] == 12_240
+    int8 = build_plan(info, PlanOptions(dtype="bfloat16", kv_cache_dtype="int8", memory_bytes=8 * GiB,
+                                        utilization=0.5, bandwidth_bytes_per_s=1e10, copy_bytes_per_s=1e10))
+    assert int8["kv"]["kv_bytes_per_token"] == 12_960  # int8: 2 × 30 × 3 × (64 + 4 float16 scales × 2 bytes)
     assert plan["model"]["weight_bytes"] == SMOL_PARAMS * 2
     assert plan["kv"]["kv_memory_bytes"] == pytest.approx(4 * GiB - SMOL_PARAMS * 2)
 
@@ -95,4 +101,5 @@ def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     plan = json.loads(capsys.readouterr().out)
     assert plan["kv"]["kv_bytes_per_token"] == 46_080 and plan["kv"]["per_seq_len"][0]["kv_bytes"] == 47_185_920
     assert main(["plan", "--model", MODEL, "--bandwidth-gbs", "10", "--copy-bandwidth-gbs", "5"]) == 0
-    assert "46,080 B/token" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "46,080 B/token" in out and "8-bit KV cache (int8): 12,960 B/token" in out

@@ -246,15 +246,16 @@ void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, cons
     }
 }
 
-/* rope_write_kv for 8-bit caches k_cache / v_cache [num_slots, Hk, D + 4] (kv_fmt: KV8_INT8 or KV8_FP8): q and
- * k rotated in place as above, then each k and v row (float32, or bf16 widened exactly) quantized into its
- * slot: D codes and the row's float32 scale. Returns 0, or -2 for head_dim > KV8_MAX_D (the row buffer). */
+/* rope_write_kv for 8-bit caches k_cache / v_cache [num_slots, Hk, kv8_row_bytes(D, kv_fmt)] (kv_fmt: KV8_INT8 or
+ * KV8_FP8): q and k rotated in place as above, then each k and v row (float32, or bf16 widened exactly)
+ * quantized into its slot: D codes, then the float16 scale of each group of 16 channels (int8) or the row's
+ * float32 scale (fp8). Returns 0, or -2 for head_dim > KV8_MAX_D (the row buffer) or an unknown kv_fmt. */
 #define KV8_MAX_D 1024
 int rope_write_kv8(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
                    const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
                    int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16, int kv_fmt) {
-    if (D > KV8_MAX_D || D < 1) return -2;
-    const int64_t W = D + KV8_SCALE_BYTES;
+    if (D > KV8_MAX_D || D < 1 || (kv_fmt != KV8_INT8 && kv_fmt != KV8_FP8)) return -2;
+    const int64_t W = kv8_row_bytes(D, kv_fmt);
 #pragma omp parallel for schedule(static) if (T * row_stride >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;

@@ -1,13 +1,19 @@
-/* Paged decode attention over an 8-bit KV cache (int8 or fp8 e4m3fn codes with a float32 scale per token and
- * KV head, kv8.h), float32 queries and outputs: the 8-bit twin of paged_attention.c, dequantizing in registers.
+/* Paged decode attention over an 8-bit KV cache (kv8.h: int8 codes with a float16 scale per 16 channels, or
+ * fp8 e4m3fn codes with a float32 scale per token and KV head), float32 queries and outputs: the 8-bit twin of
+ * paged_attention.c, dequantizing in registers or L1.
  *
  *   q            [num_seqs, num_kv_heads, group, head_dim]    float32
- *   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim + 4]   bytes: codes then scale, per row
+ *   k/v_cache    [num_blocks, block_size, num_kv_heads, kv8_row_bytes(head_dim, fmt)]   bytes: codes then
+ *                scales, per row
  *   block_tables [num_seqs, max_blocks] int64;  seq_lens [num_seqs] int64 (keys 0 .. seq_len-1 are attended)
  *   out          [num_seqs, num_kv_heads, group, head_dim]    float32
  *
- * The scales factor out of the dot products: s_t = scale * k_scale_t * (q . code_t), and
+ * fp8: the row's scale factors out of the dot products: s_t = scale * k_scale_t * (q . code_t), and
  * out = sum_t (p_t * v_scale_t) * code_t, so the inner loops only widen codes to float32 and FMA.
+ * int8: a scale per 16 channels does not factor out of a whole row's dot product, so the codes are
+ * dequantized (code x its group's scale, exact in float32) before the dot products: a K row once per KV head
+ * (into L1), serving the group's query heads; a V row per 16-lane vector in registers (AVX-512) or once per
+ * KV head into L1 (portable).
  *
  * Two paths, as paged_attention.c:
  *  - portable (any head_dim, any ISA; -ffast-math lets GCC vectorize the loops): work items (sequence,
@@ -39,11 +45,13 @@ typedef struct {
     float scale;
 } job8_t;
 
-/* Portable item (sequence s, KV head h); DCONST = 0: any head_dim. T: the code type, WIDEN: code -> float. */
-#define DEFINE_ITEM8(NAME, DCONST, T, WIDEN)                                                               \
-static void NAME(const job8_t *j, int64_t item, float *scores) {                                          \
+/* Portable item (sequence s, KV head h); DCONST = 0: any head_dim. T: the code type, WIDEN: code -> float.
+ * GROUPED (int8): each K / V row is dequantized into rowbuf [D] first (code x its group's scale), then used by
+ * the group's query heads; else (fp8) the row's scale is factored out of the dot products. */
+#define DEFINE_ITEM8(NAME, DCONST, T, WIDEN, GROUPED)                                                      \
+static void NAME(const job8_t *j, int64_t item, float *scores, float *restrict rowbuf) {                  \
     const int64_t G = j->group, H = j->num_kv_heads, BS = j->block_size;                                   \
-    const int64_t D = DCONST ? DCONST : j->head_dim, W = D + KV8_SCALE_BYTES;                              \
+    const int64_t D = DCONST ? DCONST : j->head_dim, W = kv8_row_bytes(D, GROUPED ? KV8_INT8 : KV8_FP8);   \
     const int64_t s = item / H, h = item % H, row = H * W;                                                 \
     const int64_t len = j->seq_lens[s], num_blocks = (len + BS - 1) / BS;                                  \
     const int64_t *table = j->block_tables + s * j->max_blocks;                                            \
@@ -54,11 +62,13 @@ static void NAME(const job8_t *j, int64_t item, float *scores) {                
         const int64_t n = len - b * BS < BS ? len - b * BS : BS;                                           \
         for (int64_t i = 0; i < n; i++) {                                                                  \
             const T *restrict k = (const T *)(kb + i * row);                                               \
-            const float ks = kv8_scale(k, D) * j->scale;                                                   \
+            float ks = j->scale;                                                                           \
+            if (GROUPED) kv8_dequant_int8(rowbuf, (const int8_t *)k, D);                                   \
+            else ks *= kv8_scale(k, D);                                                                    \
             for (int64_t g = 0; g < G; g++) {                                                              \
                 const float *restrict qg = q + g * D;                                                      \
                 float acc = 0.f;                                                                           \
-                for (int64_t d = 0; d < D; d++) acc += qg[d] * WIDEN(k[d]);                                \
+                for (int64_t d = 0; d < D; d++) acc += qg[d] * (GROUPED ? rowbuf[d] : WIDEN(k[d]));        \
                 scores[g * len + b * BS + i] = acc * ks;                                                   \
             }                                                                                              \
         }                                                                                                  \
@@ -78,22 +88,24 @@ static void NAME(const job8_t *j, int64_t item, float *scores) {                
         const int64_t n = len - b * BS < BS ? len - b * BS : BS;                                           \
         for (int64_t i = 0; i < n; i++) {                                                                  \
             const T *restrict v = (const T *)(vb + i * row);                                               \
-            const float vs = kv8_scale(v, D);                                                              \
+            float vs = 1.f;                                                                                \
+            if (GROUPED) kv8_dequant_int8(rowbuf, (const int8_t *)v, D);                                   \
+            else vs = kv8_scale(v, D);                                                                     \
             for (int64_t g = 0; g < G; g++) {                                                              \
                 const float p = scores[g * len + b * BS + i] * vs;                                         \
                 float *restrict og = o + g * D;                                                            \
-                for (int64_t d = 0; d < D; d++) og[d] += p * WIDEN(v[d]);                                  \
+                for (int64_t d = 0; d < D; d++) og[d] += p * (GROUPED ? rowbuf[d] : WIDEN(v[d]));          \
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
 }
 
-DEFINE_ITEM8(item_int8_d64, 64, int8_t, int8_widen)
-DEFINE_ITEM8(item_int8_d128, 128, int8_t, int8_widen)
-DEFINE_ITEM8(item_int8_any, 0, int8_t, int8_widen)
-DEFINE_ITEM8(item_fp8_d64, 64, uint8_t, fp8_e4m3_widen)
-DEFINE_ITEM8(item_fp8_d128, 128, uint8_t, fp8_e4m3_widen)
-DEFINE_ITEM8(item_fp8_any, 0, uint8_t, fp8_e4m3_widen)
+DEFINE_ITEM8(item_int8_d64, 64, int8_t, int8_widen, 1)
+DEFINE_ITEM8(item_int8_d128, 128, int8_t, int8_widen, 1)
+DEFINE_ITEM8(item_int8_any, 0, int8_t, int8_widen, 1)
+DEFINE_ITEM8(item_fp8_d64, 64, uint8_t, fp8_e4m3_widen, 0)
+DEFINE_ITEM8(item_fp8_d128, 128, uint8_t, fp8_e4m3_widen, 0)
+DEFINE_ITEM8(item_fp8_any, 0, uint8_t, fp8_e4m3_widen, 0)
 
 static int decode_portable(const job8_t *j, int fmt, int nthreads) {
     int64_t max_len = 1;
@@ -101,7 +113,9 @@ static int decode_portable(const job8_t *j, int fmt, int nthreads) {
     const int64_t items = j->num_seqs * j->num_kv_heads, D = j->head_dim;
     int nt = nthreads > items ? (int)items : nthreads;
     if (nt < 1) nt = 1;
-    const size_t per_thread = (size_t)(j->group * max_len + 1);
+    /* per thread: scores [group][max_len], then a row buffer [D] (int8 rows dequantized), 16-float slots */
+    const size_t rows_at = (size_t)(j->group * max_len + 16) / 16 * 16;
+    const size_t per_thread = rows_at + (size_t)(D + 16) / 16 * 16;
     float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);
     if (scratch == NULL) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
@@ -111,14 +125,15 @@ static int decode_portable(const job8_t *j, int fmt, int nthreads) {
 #else
         float *scores = scratch;
 #endif
+        float *rowbuf = scores + rows_at;
         if (fmt == KV8_INT8) {
-            if (D == 64) item_int8_d64(j, item, scores);
-            else if (D == 128) item_int8_d128(j, item, scores);
-            else item_int8_any(j, item, scores);
+            if (D == 64) item_int8_d64(j, item, scores, rowbuf);
+            else if (D == 128) item_int8_d128(j, item, scores, rowbuf);
+            else item_int8_any(j, item, scores, rowbuf);
         } else {
-            if (D == 64) item_fp8_d64(j, item, scores);
-            else if (D == 128) item_fp8_d128(j, item, scores);
-            else item_fp8_any(j, item, scores);
+            if (D == 64) item_fp8_d64(j, item, scores, rowbuf);
+            else if (D == 128) item_fp8_d128(j, item, scores, rowbuf);
+            else item_fp8_any(j, item, scores, rowbuf);
         }
     }
     free(scratch);
@@ -130,8 +145,11 @@ static int decode_portable(const job8_t *j, int fmt, int nthreads) {
 #define PART 256  /* keys per partition (a multiple of KEY_TILE) */
 #define MAX_HG 64 /* query heads per sequence handled by this path */
 
-static inline __attribute__((always_inline)) __m512 load16_kv8(const uint8_t *p, int fp8) {
-    return fp8 ? kv8_load16_fp8(p) : kv8_load16_int8(p);
+/* The DV (4 or 8) float16 scales of an int8 row (at p = row + D) widened into gs[0 .. DV-1]; reads exactly
+ * the 2 DV scale bytes (the last row of a cache ends there). */
+static inline __attribute__((always_inline)) void int8_scales16(const uint8_t *p, int DV, float *gs) {
+    const __m128i h = DV == 4 ? _mm_loadl_epi64((const __m128i *)p) : _mm_loadu_si128((const __m128i *)p);
+    _mm512_storeu_ps(gs, _mm512_cvtph_ps(_mm256_zextsi128_si256(h)));
 }
 
 /* Keys [k0, k0 + len) of sequence s, all heads: o [H*G][D] unnormalised output, m / l [H*G] max and sum.
@@ -139,16 +157,18 @@ static inline __attribute__((always_inline)) __m512 load16_kv8(const uint8_t *p,
  * offsets. D = 16 * DV, DV 4 or 8, fp8: compile-time after inlining.
  * A tile's K codes of one head are widened once into kt (4-8 KiB, L1) and serve the head's `group` query
  * heads from there: widening them again per query head cost up to 1.5x the bf16 kernel's time (fp8, group
- * 6); V codes are widened in registers, once per key and chunk of 3 query heads. Each row's scale is read
- * with its codes (K: into the tile's scale vector; V: into p), so the cache is streamed once. */
+ * 6); V codes are widened in registers, once per key and chunk of 3 query heads. Each row's scales are read
+ * with its codes, so the cache is streamed once. fp8: the row's scale goes into the tile's scale vector (K)
+ * or into p (V). int8: one float16 scale per 16-lane vector, multiplied into the widened codes (K: as they
+ * are stored to kt; V: in registers), so kt holds dequantized values and p stays unscaled. */
 static inline __attribute__((always_inline)) void part_kv8(const job8_t *j, int64_t s, int64_t k0, int64_t len,
                                                            float *o, float *m, float *l, float *sc, float *kt,
                                                            int64_t *offs, int fp8, int DV) {
-    const int64_t G = j->group, H = j->num_kv_heads, BS = j->block_size, D = 16 * DV, W = D + KV8_SCALE_BYTES;
+    const int64_t G = j->group, H = j->num_kv_heads, BS = j->block_size, D = 16 * DV;
+    const int64_t W = kv8_row_bytes(D, fp8 ? KV8_FP8 : KV8_INT8);
     const int64_t row = H * W, HG = H * G;
     const int64_t *table = j->block_tables + s * j->max_blocks;
     const float *q = j->q + s * HG * D;
-    const float unit = fp8 ? KV8_FP8_UNIT : 1.f;
     for (int64_t t = 0, b = k0 / BS, i = k0 % BS; t < len; b++, i = 0) {
         const int64_t base = table[b] * BS;
         for (; i < BS && t < len; i++, t++) offs[t] = (base + i) * row;
@@ -169,10 +189,18 @@ static inline __attribute__((always_inline)) void part_kv8(const job8_t *j, int6
             float ksc[KEY_TILE];
             for (int i = 0; i < n; i++) {
                 const uint8_t *k = j->k_cache + offs[t0 + i] + h * W;
-                ksc[i] = kv8_scale(k, D) * unit * j->scale;
-                for (int v = 0; v < DV; v++) _mm512_store_ps(kt + i * D + 16 * v, load16_kv8(k + 16 * v, fp8));
+                if (fp8) {
+                    ksc[i] = kv8_scale(k, D) * KV8_FP8_UNIT * j->scale;
+                    for (int v = 0; v < DV; v++) _mm512_store_ps(kt + i * D + 16 * v, kv8_load16_fp8(k + 16 * v));
+                } else {
+                    float gs[16];
+                    int8_scales16(k + D, DV, gs);
+                    for (int v = 0; v < DV; v++)
+                        _mm512_store_ps(kt + i * D + 16 * v, _mm512_mul_ps(kv8_load16_int8(k + 16 * v),
+                                                                           _mm512_set1_ps(gs[v])));
+                }
             }
-            const __m512 kscale = _mm512_maskz_loadu_ps(live, ksc);
+            const __m512 kscale = fp8 ? _mm512_maskz_loadu_ps(live, ksc) : _mm512_set1_ps(j->scale);
             for (int64_t g = 0; g < G; g++) {
                 const int64_t x = h * G + g;
                 __m512 qv[8], acc[KEY_TILE];
@@ -212,9 +240,17 @@ static inline __attribute__((always_inline)) void part_kv8(const job8_t *j, int6
                     for (int v = 0; v < DV; v++) acc[g][v] = _mm512_loadu_ps(og + g * D + 16 * v);
                 for (int i = 0; i < n; i++) {
                     const uint8_t *vr = j->v_cache + offs[t0 + i] + h * W;
-                    const float vsi = kv8_scale(vr, D) * unit;
+                    float vsi = 1.f;
                     __m512 vv[8];
-                    for (int v = 0; v < DV; v++) vv[v] = load16_kv8(vr + 16 * v, fp8);
+                    if (fp8) {
+                        vsi = kv8_scale(vr, D) * KV8_FP8_UNIT;
+                        for (int v = 0; v < DV; v++) vv[v] = kv8_load16_fp8(vr + 16 * v);
+                    } else {
+                        float gs[16];
+                        int8_scales16(vr + D, DV, gs);
+                        for (int v = 0; v < DV; v++)
+                            vv[v] = _mm512_mul_ps(kv8_load16_int8(vr + 16 * v), _mm512_set1_ps(gs[v]));
+                    }
                     for (int64_t g = 0; g < gc; g++) {
                         const __m512 pg = _mm512_set1_ps(sc[(h * G + g0 + g) * PART + t0 + i] * vsi);
                         for (int v = 0; v < DV; v++) acc[g][v] = _mm512_fmadd_ps(pg, vv[v], acc[g][v]);

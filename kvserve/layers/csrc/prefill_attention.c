@@ -3,8 +3,8 @@
  *
  *   q            [num_tokens, num_heads, head_dim]   rows q_row_stride elements apart (float32 or bfloat16)
  *   k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]   (float32 or bfloat16), or 8-bit
- *                [num_blocks, block_size, num_kv_heads, head_dim + 4] bytes: int8 / fp8 e4m3fn codes, then a
- *                float32 scale, per row (kv8.h)
+ *                [num_blocks, block_size, num_kv_heads, kv8_row_bytes(head_dim, fmt)] bytes per row: int8 codes
+ *                then a float16 scale per 16 channels, or fp8 e4m3fn codes then a float32 scale (kv8.h)
  *   block_tables [num_seqs, max_blocks] int64
  *   q_start, q_len, offsets [num_seqs] int64: sequence s owns q rows q_start[s] .. q_start[s] + q_len[s] - 1;
  *                its query i sits at position offsets[s] + i (offsets = tokens already in the cache before
@@ -34,8 +34,8 @@
  *    (products exact, float32 accumulation), softmax in float32, p rounded to bf16 and p.v with vdpbf16ps
  *    over pairs of keys (the V tile interleaved pairwise once per tile), float32 accumulation.
  *  - Portable (everything else; GCC vector extensions, so AVX-512, AVX2 or SSE2 by -march): float32 math,
- *    bf16 inputs widened exactly; 8-bit K/V rows dequantized (code x row scale) as the tile is copied to
- *    L1, so the cache itself is read once, in its 8-bit form.
+ *    bf16 inputs widened exactly; 8-bit K/V rows dequantized (code x its group's or row's scale) as the tile
+ *    is copied to L1, so the cache itself is read once, in its 8-bit form.
  * Both specialised for head_dim 64 and 128 at compile time; any head_dim runs through the generic variant.
  * exp is 2^x with x = (s - m) * scale * log2(e): x rounded to an integer n and a fraction f in [-1/2, 1/2],
  * 2^f by its degree-6 Taylor polynomial in f ln 2 (relative error < 2e-7), times 2^n.
@@ -91,7 +91,7 @@ typedef struct {
     const int64_t *block_tables, *q_start, *q_len, *offsets;
     void *out;
     int64_t max_blocks, num_kv_heads, group, head_dim, block_size;
-    int64_t kv_head; /* elements of one (token, KV head) cache row: head_dim, or head_dim + 4 (8-bit) */
+    int64_t kv_head; /* elements of one (token, KV head) cache row: head_dim, or kv8_row_bytes (8-bit) */
     float scale;
     int q_bf16;
 } job_t;
@@ -286,14 +286,10 @@ static inline vf vexp2(vf t) {
 }
 
 /* One cache row (D elements at src) widened to float32 at dst: float32 / bfloat16 elements, or 8-bit codes
- * times the row's scale. */
+ * times their scale (int8: each group of 16 channels' float16 scale; fp8: the row's float32 scale). */
 #define ROW_F32(dst, src, D) for (int64_t d = 0; d < (D); d++) (dst)[d] = (src)[d]
 #define ROW_BF16(dst, src, D) for (int64_t d = 0; d < (D); d++) (dst)[d] = bf16_widen((src)[d])
-#define ROW_INT8(dst, src, D)                                                                                \
-    do {                                                                                                    \
-        const float s_ = kv8_scale(src, D);                                                                 \
-        for (int64_t d = 0; d < (D); d++) (dst)[d] = (float)(src)[d] * s_;                                  \
-    } while (0)
+#define ROW_INT8(dst, src, D) kv8_dequant_int8(dst, src, D)
 #define ROW_FP8(dst, src, D)                                                                                 \
     do {                                                                                                    \
         const float s_ = kv8_scale(src, D);                                                                 \
@@ -628,7 +624,7 @@ static int item_order(const void *a, const void *b) {
 }
 
 /* q_bf16: 0 = float32, 1 = bfloat16 (q and out share a dtype); kv_fmt: 0 = float32, 1 = bfloat16, 2 = int8,
- * 3 = fp8 e4m3fn (8-bit rows of head_dim + 4 bytes, kv8.h). Returns 0; -1 when memory could
+ * 3 = fp8 e4m3fn (8-bit rows of kv8_row_bytes(head_dim, kv_fmt) bytes, kv8.h). Returns 0; -1 when memory could
  * not be allocated; -2 for arguments out of range (a sequence's rows past num_tokens, its keys past its
  * block table, a negative length or offset, num_heads not a multiple of num_kv_heads). */
 int paged_prefill_attention(const void *q, int64_t q_row_stride, int q_bf16, const void *k_cache,
@@ -656,7 +652,7 @@ int paged_prefill_attention(const void *q, int64_t q_row_stride, int q_bf16, con
     }
     qsort(items, (size_t)num_items, sizeof(item_t), item_order);
     const job_t j = {q, q_row_stride, k_cache, v_cache, block_tables, q_start, q_len, offsets, out, max_blocks,
-                     num_kv_heads, group, head_dim, block_size, head_dim + (kv_fmt >= KV8_INT8 ? KV8_SCALE_BYTES : 0),
+                     num_kv_heads, group, head_dim, block_size, kv_fmt >= KV8_INT8 ? kv8_row_bytes(head_dim, kv_fmt) : head_dim,
                      scale, q_bf16};
     const int use_dpbf16 = HAVE_DPBF16 && q_bf16 && kv_fmt == 1 && head_dim % 32 == 0;
     size_t scratch_bytes = sizeof(float) * PORTABLE_SCRATCH(head_dim);
