@@ -18,9 +18,10 @@ Eight sources under ``csrc/`` build one shared library:
 * ``decode_step.c``: all layers of a pure-decode step in one call, chaining the kernels above (no Python
   between kernels: at batch 1 the gaps cost ~30 % of the step).
 
-Each has a torch reference path (``F.linear``, ``int8.int8_linear_reference``, ``gguf_blocks.gguf_linear_reference``, ``attention.py``,
-``layernorm.py``/``rotary.py``), which is also the oracle the kernels are tested against, and which callers
-use when the library is unavailable: no C compiler, a failed build, CUDA tensors, or ``KVSERVE_DISABLE_NATIVE=1``.
+Each has a torch reference path (``F.linear``, ``int8.int8_linear_reference``, ``gguf_blocks.gguf_linear_reference``,
+``attention.py``, ``layernorm.py``/``rotary.py``), which is also the oracle the kernels are tested against, and which
+callers use when the library is unavailable: no C compiler, a failed build, CUDA tensors, or
+``KVSERVE_DISABLE_NATIVE=1``.
 
 The library is built with ``-march=native`` (``KVSERVE_NATIVE_MARCH`` overrides it, e.g. ``x86-64-v3`` to
 force the AVX2 path on an AVX-512 host), linked with OpenMP: at run time it binds to the ``libgomp.so.1``

@@ -1,18 +1,8 @@
 """GGUF block formats kept as they are (``--quantization gguf``): repacking, dequantization, the torch reference.
 
 A GGUF file stores a quantized ``[N, K]`` weight row by row, each row as ``K / block_elems`` blocks of
-``block_bytes`` bytes (an f16 scale or two, packed codes). The six formats served natively:
-
-    format  elems  bytes  fields (byte offset: size)                      value of element e
-    Q4_0     32     18    d 0:2, qs 2:16                                  d (q - 8)
-    Q4_1     32     20    d 0:2, m 2:2, qs 4:16                           d q + m
-    Q5_0     32     22    d 0:2, qh 2:4, qs 6:16                          d (q - 16)      (bit e of qh: q's bit 4)
-    Q8_0     32     34    d 0:2, qs 2:32                                  d q             (qs int8)
-    Q4_K    256    144    d 0:2, dmin 2:2, scales 4:12, qs 16:128         d sc_j q - dmin m_j   (6-bit sc, m / 32)
-    Q6_K    256    210    ql 0:128, qh 128:64, scales 192:16, d 208:2     d sc_t (q - 32)       (int8 sc / 16)
-
-(nibble formats: byte b of a 32-element block's qs holds element b in its low nibble and b + 16 in its high one;
-Q4_K / Q6_K as in ggml's ``dequantize_row_q4_K`` / ``_q6_K``.)
+``block_bytes`` bytes (an f16 scale or two, packed codes); ``gguf_formats.py`` lists the six formats served natively
+(Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) and their fields.
 
 For the kernel (``csrc/gguf_gemm.c``, whose header has the diagram) the blocks are regrouped per 16 rows, field by
 field, 4 bytes of each row per 64-byte vector: ``pack`` / ``unpack_rows`` are exact inverses on the bytes (Q8_0's
@@ -28,52 +18,12 @@ in float64, the oracle of the kernel: it quantizes the activations exactly as th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvserve.layers import int8
-
-ROWS = 16  # output rows per row block
-ALIGN = 64  # bytes: each segment of a packed buffer starts on a cache line
-
-
-class BlockFormat(NamedTuple):
-    """One GGUF block format: ggml type id, name, elements and bytes per block, fields in packed order as
-    ``(name, byte offset in the block, size, unit)`` (unit 4: regrouped 4 bytes per row; 2: one f16 per row)."""
-
-    code: int
-    name: str
-    elems: int
-    nbytes: int
-    fields: tuple[tuple[str, int, int, int], ...]
-
-
-FORMATS: dict[int, BlockFormat] = {f.code: f for f in (
-    BlockFormat(2, "Q4_0", 32, 18, (("qs", 2, 16, 4), ("d", 0, 2, 2))),
-    BlockFormat(3, "Q4_1", 32, 20, (("qs", 4, 16, 4), ("d", 0, 2, 2), ("m", 2, 2, 2))),
-    BlockFormat(6, "Q5_0", 32, 22, (("qs", 6, 16, 4), ("qh", 2, 4, 4), ("d", 0, 2, 2))),
-    BlockFormat(8, "Q8_0", 32, 34, (("qs", 2, 32, 4), ("d", 0, 2, 2))),
-    BlockFormat(12, "Q4_K", 256, 144, (("qs", 16, 128, 4), ("scales", 4, 12, 4), ("d", 0, 2, 2), ("dmin", 2, 2, 2))),
-    BlockFormat(14, "Q6_K", 256, 210, (("ql", 0, 128, 4), ("qh", 128, 64, 4), ("scales", 192, 16, 4), ("d", 208, 2, 2))),
-)}
-FORMAT_NAMES = ", ".join(f.name for f in FORMATS.values())
-
-
-def block_format(code: int, what: str = "tensor") -> BlockFormat:
-    """The format of ggml type id ``code``.
-
-    Raises:
-        ValueError: a type ``--quantization gguf`` does not serve (the message names ``what`` and the formats).
-    """
-    if code not in FORMATS:
-        import gguf
-
-        name = gguf.GGMLQuantizationType(code).name if code in gguf.GGMLQuantizationType._value2member_map_ else code
-        raise ValueError(f"quantization: gguf serves {FORMAT_NAMES} blocks; {what} is {name} (serve this file "
-                         "without --quantization to dequantize it at load)")
-    return FORMATS[code]
+from kvserve.layers.gguf_formats import ROWS, BlockFormat, block_format, rowblock_nbytes
 
 
 @dataclass(frozen=True)
@@ -89,27 +39,6 @@ class GGUFTensor:
     @property
     def format(self) -> BlockFormat:
         return block_format(self.code)
-
-
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
-
-
-def rowblock_nbytes(code: int, k: int) -> int:
-    """Bytes of one row block (16 rows) of an ``[*, k]`` weight.
-
-    Raises:
-        ValueError: an unsupported format, or k not a multiple of the format's block.
-    """
-    f = block_format(code)
-    if k <= 0 or k % f.elems:
-        raise ValueError(f"quantization: a {f.name} row needs a multiple of {f.elems} columns, got {k}")
-    return ROWS * (k // f.elems) * f.nbytes
-
-
-def packed_nbytes(code: int, n: int, k: int) -> int:
-    """Bytes of ``pack``'s output for an ``[n, k]`` weight (rows padded to 16 with zero blocks)."""
-    return _round_up(n, ROWS) // ROWS * rowblock_nbytes(code, k)
 
 
 def _field_views(rb: torch.Tensor, f: BlockFormat, nb: int) -> list[torch.Tensor]:
@@ -133,7 +62,7 @@ def pack(data: torch.Tensor, code: int) -> torch.Tensor:
     f = block_format(code)
     n, row_bytes = data.shape
     nb = row_bytes // f.nbytes
-    np_ = _round_up(n, ROWS)
+    np_ = -(-n // ROWS) * ROWS
     blocks = torch.zeros(np_, nb, f.nbytes, dtype=torch.uint8, device=data.device)
     blocks[:n] = data.view(n, nb, f.nbytes)
     blocks = blocks.view(np_ // ROWS, ROWS, nb, f.nbytes)

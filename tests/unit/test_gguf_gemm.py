@@ -22,14 +22,8 @@ import torch
 
 from kvserve import cpu_features
 from kvserve.layers import cpu_kernels, int8
-from kvserve.layers.gguf_blocks import (
-    FORMATS,
-    dequantize,
-    gguf_linear_reference,
-    pack,
-    packed_nbytes,
-    unpack_rows,
-)
+from kvserve.layers.gguf_blocks import dequantize, gguf_linear_reference, pack, unpack_rows
+from kvserve.layers.gguf_formats import FORMATS, packed_nbytes
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 PATHS = {"vnni": ("native", ("avx512_vnni", "avx512bw")), "avx2": ("x86-64-v3", ("avx2", "fma", "f16c")),
@@ -156,7 +150,8 @@ def test_extreme_codes_do_not_saturate(path: str, name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_dequantize_is_gguf_bit_for_bit_and_pack_round_trips(name: str) -> None:
     """Any bytes (NaN, infinite and subnormal scales included): our float32 dequantization has the gguf package's
-    bits (NaNs where it has NaNs), and ``unpack_rows(pack(blocks))`` gives the blocks back, for all rows and for a gather of some."""
+    bits (NaNs where it has NaNs), and ``unpack_rows(pack(blocks))`` gives the blocks back, for all rows and for a
+    gather of some."""
     f = FORMATS[CODES[name]]
     g = torch.Generator().manual_seed(11)
     n, k = 37, 3 * f.elems
@@ -180,8 +175,8 @@ def test_dequantize_is_gguf_bit_for_bit_and_pack_round_trips(name: str) -> None:
 
 def test_real_file_blocks_dequantize_as_gguf() -> None:
     """The catalog files' own blocks of each format they use: the same bits as the gguf package."""
-    from kvserve.models.catalog import resolve_model_path
     from kvserve.errors import ModelNotFoundError
+    from kvserve.models.catalog import resolve_model_path
 
     seen: set[str] = set()
     for model in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"):

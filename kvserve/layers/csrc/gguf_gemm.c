@@ -209,26 +209,9 @@ static void tile_portable(int fmt, const uint8_t *rb, const acts_t *a, int64_t m
 }
 #endif
 
-/* One row block for tokens m0 .. m0 + mt - 1 (mt a constant at each call site). */
-static inline __attribute__((always_inline)) void tile(int fmt, const uint8_t *rb, const acts_t *a, int64_t m0,
-                                                       int mt, float acc[MT][RB]) {
-#if defined(GG_VNNI) || defined(GG_AVX2)
-    switch (fmt) {
-    case Q4_0: tile_q32(Q4_0, rb, a, m0, mt, acc); break;
-    case Q4_1: tile_q32(Q4_1, rb, a, m0, mt, acc); break;
-    case Q5_0: tile_q32(Q5_0, rb, a, m0, mt, acc); break;
-    case Q8_0: tile_q32(Q8_0, rb, a, m0, mt, acc); break;
-    case Q4_K: tile_q4k(rb, a, m0, mt, acc); break;
-    default: tile_q6k(rb, a, m0, mt, acc); break;
-    }
-#else
-    tile_portable(fmt, rb, a, m0, mt, acc);
-#endif
-}
-
 /* Float sums of a row block -> out rows (+ bias), in x's dtype; rows past the segment's end are dropped. */
-static void store(float s[MT][RB], int mt, int64_t m0, int64_t n0, int nr, int64_t N, const float *bias, void *out,
-                  int out_bf16) {
+static inline __attribute__((always_inline)) void store(float s[MT][RB], int mt, int64_t m0, int64_t n0, int nr,
+                                                        int64_t N, const float *bias, void *out, int out_bf16) {
     for (int m = 0; m < mt; m++)
         for (int i = 0; i < nr; i++) {
             float v = s[m][i];
@@ -238,11 +221,53 @@ static void store(float s[MT][RB], int mt, int64_t m0, int64_t n0, int nr, int64
         }
 }
 
-#define TILE_CASE(T)                                                                                       \
+/* One row block of one format for all M tokens, MT at a time (each tile a constant mt: its accumulators stay in
+ * registers). One function per format, so that each is compiled on its own. */
+#if defined(GG_VNNI) || defined(GG_AVX2)
+#define TILE(FMT, mt) (FMT == Q4_K ? tile_q4k(rb, a, m0, mt, acc) : FMT == Q6_K ? tile_q6k(rb, a, m0, mt, acc) \
+                                                                   : tile_q32(FMT, rb, a, m0, mt, acc))
+#else
+#define TILE(FMT, mt) tile_portable(FMT, rb, a, m0, mt, acc)
+#endif
+#define TILE_CASE(FMT, T)                                                                                  \
     do {                                                                                                   \
-        tile(fmt, rb, &a, m0, T, acc);                                                                     \
-        store(acc, T, m0, n0, nr, N, bias, out, x_bf16);                                                   \
+        TILE(FMT, T);                                                                                      \
+        store(acc, T, m0, n0, nr, N, bias, out, out_bf16);                                                 \
     } while (0)
+#define ROW_BLOCK(FMT)                                                                                     \
+    static __attribute__((noinline)) void row_block_##FMT(const uint8_t *rb, const acts_t *a, int64_t M,  \
+                                                          int64_t n0, int nr, int64_t N, const float *bias, \
+                                                          void *out, int out_bf16) {                       \
+        float acc[MT][RB];                                                                                 \
+        int64_t m0 = 0;                                                                                    \
+        for (; m0 + MT <= M; m0 += MT) TILE_CASE(FMT, MT);                                                 \
+        switch (M - m0) {                                                                                  \
+        case 1: TILE_CASE(FMT, 1); break;                                                                  \
+        REST_CASES(FMT)                                                                                    \
+        default: break;                                                                                    \
+        }                                                                                                  \
+    }
+#if MT > 4
+#define REST_CASES(FMT)                                                                                    \
+    case 2: TILE_CASE(FMT, 2); break;                                                                      \
+    case 3: TILE_CASE(FMT, 3); break;                                                                      \
+    case 4: TILE_CASE(FMT, 4); break;                                                                      \
+    case 5: TILE_CASE(FMT, 5); break;                                                                      \
+    case 6: TILE_CASE(FMT, 6); break;                                                                      \
+    case 7: TILE_CASE(FMT, 7); break;
+#elif MT > 2
+#define REST_CASES(FMT)                                                                                    \
+    case 2: TILE_CASE(FMT, 2); break;                                                                      \
+    case 3: TILE_CASE(FMT, 3); break;
+#else
+#define REST_CASES(FMT)
+#endif
+ROW_BLOCK(Q4_0)
+ROW_BLOCK(Q4_1)
+ROW_BLOCK(Q5_0)
+ROW_BLOCK(Q8_0)
+ROW_BLOCK(Q4_K)
+ROW_BLOCK(Q6_K)
 
 /* The entry point. x: [M, K] float32 (x_bf16 0) or bfloat16 (1), contiguous; segs: the segment table (see the
  * header); bias: float32 [N] or NULL; out: [M, N] in x's dtype. Returns 0; -1 when scratch memory could not be
@@ -288,22 +313,13 @@ int gguf_gemm(const void *x, int x_bf16, const int64_t *segs, const float *bias,
         const int64_t left = segs[2 + 3 * s] - local * RB;
         const int nr = left < RB ? (int)left : RB;
         const uint8_t *rb = (const uint8_t *)(intptr_t)segs[3 + 3 * s] + local * rb_bytes[s];
-        float acc[MT][RB];
-        int64_t m0 = 0;
-        for (; m0 + MT <= M; m0 += MT) TILE_CASE(MT);
-        switch (M - m0) {
-        case 1: TILE_CASE(1); break;
-#if MT > 2
-        case 2: TILE_CASE(2); break;
-        case 3: TILE_CASE(3); break;
-#endif
-#if MT > 4
-        case 4: TILE_CASE(4); break;
-        case 5: TILE_CASE(5); break;
-        case 6: TILE_CASE(6); break;
-        case 7: TILE_CASE(7); break;
-#endif
-        default: break;
+        switch (fmt) {
+        case Q4_0: row_block_Q4_0(rb, &a, M, n0, nr, N, bias, out, x_bf16); break;
+        case Q4_1: row_block_Q4_1(rb, &a, M, n0, nr, N, bias, out, x_bf16); break;
+        case Q5_0: row_block_Q5_0(rb, &a, M, n0, nr, N, bias, out, x_bf16); break;
+        case Q8_0: row_block_Q8_0(rb, &a, M, n0, nr, N, bias, out, x_bf16); break;
+        case Q4_K: row_block_Q4_K(rb, &a, M, n0, nr, N, bias, out, x_bf16); break;
+        default: row_block_Q6_K(rb, &a, M, n0, nr, N, bias, out, x_bf16); break;
         }
     }
     free(xq), free(xs), free(xsum), free(xsum16);

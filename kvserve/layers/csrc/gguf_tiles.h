@@ -93,9 +93,15 @@ AI void tile_q32(int fmt, const uint8_t *rb, const acts_t *a, int64_t m0, int mt
                 }
             }
         }
-        gv acc[MT];
+        gv acc[MT], acc2[MT];
         zero_acc(acc, mt);
-        for (int c = 0; c < 8; c++) dot4(acc, w[c], xr, g * 32 + 4 * c, mt);
+        if (mt <= 2) { /* two dependency chains per token: vpdpbusd's latency otherwise bounds batch 1 */
+            zero_acc(acc2, mt);
+            for (int c = 0; c < 8; c += 2) dot4(acc, w[c], xr, g * 32 + 4 * c, mt), dot4(acc2, w[c + 1], xr, g * 32 + 4 * c + 4, mt);
+            for (int m = 0; m < mt; m++) acc[m] = _mm512_add_epi32(acc[m], acc2[m]);
+        } else {
+            for (int c = 0; c < 8; c++) dot4(acc, w[c], xr, g * 32 + 4 * c, mt);
+        }
         term(accf, acc, half16(dp + g * 32), off, a, m0, mt, g);
         if (fmt == Q4_1) min_term(accf, half16(mp + g * 32), a, m0, mt, g);
     }
