@@ -42,12 +42,13 @@ class GGUFTensor:
 
 
 def _field_views(rb: torch.Tensor, f: BlockFormat, nb: int) -> list[torch.Tensor]:
-    """Views of a ``[R, rowblock bytes]`` tensor, one per field: ``[R, nb, size / unit, 16, unit]``."""
+    """Views of a ``[R, rowblock bytes]`` tensor, one per field: ``[R, nb, size / unit, 16, unit]`` (each block of
+    16 rows is its fields one after another)."""
+    tiles = rb.view(rb.shape[0], nb, ROWS * f.nbytes)
     views, off = [], 0
     for _, _, size, unit in f.fields:
-        length = ROWS * nb * size
-        views.append(rb[:, off:off + length].view(rb.shape[0], nb, size // unit, ROWS, unit))
-        off += length
+        views.append(tiles[:, :, off:off + ROWS * size].view(rb.shape[0], nb, size // unit, ROWS, unit))
+        off += ROWS * size
     return views
 
 

@@ -11,7 +11,7 @@ planner counts served bytes with these).
 
 (nibble formats: byte b of a 32-element block's qs holds element b in its low nibble and b + 16 in its high one;
 Q4_K / Q6_K as in ggml's ``dequantize_row_q4_K`` / ``_q6_K``.) ``fields`` lists them in the packed layout's order
-(``csrc/gguf_gemm.c``): codes first.
+(``csrc/gguf_gemm.c``): in the order the kernel reads them, so that it streams each block of 16 rows front to back.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ FORMATS: dict[int, BlockFormat] = {f.code: f for f in (
     BlockFormat(3, "Q4_1", 32, 20, (("qs", 4, 16, 4), ("d", 0, 2, 2), ("m", 2, 2, 2))),
     BlockFormat(6, "Q5_0", 32, 22, (("qs", 6, 16, 4), ("qh", 2, 4, 4), ("d", 0, 2, 2))),
     BlockFormat(8, "Q8_0", 32, 34, (("qs", 2, 32, 4), ("d", 0, 2, 2))),
-    BlockFormat(12, "Q4_K", 256, 144, (("qs", 16, 128, 4), ("scales", 4, 12, 4), ("d", 0, 2, 2), ("dmin", 2, 2, 2))),
+    BlockFormat(12, "Q4_K", 256, 144, (("scales", 4, 12, 4), ("d", 0, 2, 2), ("dmin", 2, 2, 2), ("qs", 16, 128, 4))),
     BlockFormat(14, "Q6_K", 256, 210,
-                (("ql", 0, 128, 4), ("qh", 128, 64, 4), ("scales", 192, 16, 4), ("d", 208, 2, 2))),
+                (("scales", 192, 16, 4), ("ql", 0, 128, 4), ("qh", 128, 64, 4), ("d", 208, 2, 2))),
 )}
 FORMAT_NAMES = ", ".join(f.name for f in FORMATS.values())
 # ggml's other type ids, for error messages (gguf.GGMLQuantizationType without importing the package)

@@ -21,27 +21,31 @@
  * (tests/unit/test_gguf_gemm.py holds it to that against a float64 reference).
  *
  * Layout. Each weight (or each segment of a fused one: q/k/v may differ in format) is repacked at load from the
- * file's row-major blocks into row blocks of RB = 16 output rows; a row block is the same bytes as its 16 rows'
- * blocks, regrouped field by field so that one 64-byte vector holds 4 bytes of each of the 16 rows (rows past N
- * are zero blocks). For a field of F bytes per block (F a multiple of 4: codes, qh, scales) and B blocks per row:
+ * file's row-major blocks into row blocks of RB = 16 output rows (rows past N are zero blocks). A row block is
+ * its rows' blocks one block index b at a time (a "tile" of 16 x block bytes), and inside a tile the same bytes
+ * regrouped field by field so that one 64-byte vector holds 4 bytes of each of the 16 rows. For a field of F
+ * bytes per block (F a multiple of 4: codes, qh, scales):
  *
- *     field [B][F / 4][16 rows][4 bytes]     byte (b, v, i, j) <- byte 4 v + j of that field of row i's block b
+ *     tile b, field  [F / 4][16 rows][4 bytes]     byte (v, i, j) <- byte 4 v + j of that field of row i's block b
  *
- * and a 2-byte field (the f16 d, m, dmin) is [B][16 rows][2 bytes]. Fields follow each other, codes first:
+ * and a 2-byte field (the f16 d, m, dmin) is [16 rows][2 bytes]. Fields come in the order the kernel reads them,
+ * so that a thread streams its row blocks strictly front to back:
  *
  *     Q8_0 (34 B / 32)    qs[32] (stored q + 128) | d                    Q4_0 (18 B / 32)   qs[16] | d
  *     Q4_1 (20 B / 32)    qs[16] | d | m                                  Q5_0 (22 B / 32)   qs[16] | qh[4] | d
- *     Q4_K (144 B / 256)  qs[128] | scales[12] | d | dmin                 Q6_K (210 B / 256) ql[128] | qh[64] | scales[16] | d
+ *     Q4_K (144 B / 256)  scales[12] | d | dmin | qs[128]                 Q6_K (210 B / 256) scales[16] | ql[128] | qh[64] | d
  *
- *     row block of Q4_1, K = 64 (B = 2 blocks):
- *     +--------------------------------+--------------------------------+-----------+-----------+
- *     | b0: v0 v1 v2 v3 (64 B each)    | b1: v0 v1 v2 v3                | d: b0 b1  | m: b0 b1  |
- *     +--------------------------------+--------------------------------+-----------+-----------+
- *       v = qs bytes 4v .. 4v + 3 of rows 0..15: low nibbles k = 4v + j, high nibbles k = 16 + 4v + j
+ *     row block of Q4_1, K = 64 (B = 2 blocks, tiles of 320 bytes):
+ *     +------------------------------------------------------+------------------------------------------------------+
+ *     | tile 0: v0 v1 v2 v3 (64 B each) | d (16 x f16) | m    | tile 1: v0 v1 v2 v3 | d | m                            |
+ *     +------------------------------------------------------+------------------------------------------------------+
+ *       v = qs bytes 4v .. 4v + 3 of rows 0..15: low nibbles k = 32 b + 4v + j, high nibbles k = 32 b + 16 + 4v + j
  *
  * One vector of a nibble format so gives the codes of 8 k of 16 rows (low nibbles, then high ones after a
  * shift); every vector is a 32-bit lane per row, so the dot products accumulate vertically (no horizontal sums)
- * and each OpenMP thread streams its contiguous range of row blocks sequentially (gguf_tiles.h has the loops).
+ * and each OpenMP thread streams its contiguous range of row blocks sequentially, prefetching PF_DIST bytes ahead
+ * (gguf_tiles.h has the loops). The tile order (rather than each field over all of K) measured 1.6x at batch 1
+ * for Q4_1 (20 -> 33 Gw/s, one thread): one stream instead of three.
  *
  * Segments: an int64 table [count, (format, rows, address) x count]; the outputs are their rows in order.
  */
@@ -73,6 +77,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's
 /* The quantized activations of one call. */
 typedef struct {
     const int8_t *q;      /* [M][K] codes */
+    const int8_t *qi;     /* the same, tokens interleaved: [ceil(M / MT)][K / 4][MT][4] (zeros past M) */
     const float *s;       /* [M][G] scales (amax / 127) */
     const int32_t *sum;   /* [M][G] code sums per group of 32 */
     const int32_t *sum16; /* [M][2G] code sums per 16 */
@@ -81,8 +86,6 @@ typedef struct {
 
 void int8_quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int64_t Kp, int8_t *q, float *scales,
                         int32_t *xsum, int64_t num_threads);
-
-#include "gguf_tiles.h"
 
 /* Bytes per block and elements per block of a format (0: unknown format). */
 static int64_t block_bytes(int fmt) {
@@ -97,6 +100,8 @@ static int64_t block_bytes(int fmt) {
     }
 }
 static int64_t block_elems(int fmt) { return fmt == Q4_K || fmt == Q6_K ? 256 : 32; }
+
+#include "gguf_tiles.h"
 
 /* Bytes of one row block (16 rows) of an [*, K] weight of format fmt; 0 for an unknown format or a K that is
  * not a multiple of the format's block. */
@@ -122,33 +127,33 @@ static float half_to_float(const uint8_t *p) {
 }
 
 /* The 32 unsigned codes of row i in group g (k = 32 g .. 32 g + 31), read from the row block layout. */
-static void group_codes(int fmt, const uint8_t *rb, int64_t G, int i, int64_t g, uint8_t u[GS]) {
-    const int64_t S = G / 8, s = g / 8;
+static void group_codes(int fmt, const uint8_t *rb, int i, int64_t g, uint8_t u[GS]) {
+    const int64_t s = g / 8;
     const int gs = (int)(g % 8);
     for (int c = 0; c < 8; c++)
         for (int j = 0; j < 4; j++) {
             const int k = 4 * c + j;
             switch (fmt) {
-            case Q8_0: u[k] = rb[(g * 8 + c) * 64 + 4 * i + j]; break;
+            case Q8_0: u[k] = rb[g * 544 + c * 64 + 4 * i + j]; break;
             case Q4_0: case Q4_1: case Q5_0: {
-                const uint8_t b = rb[(g * 4 + (c & 3)) * 64 + 4 * i + j];
+                const uint8_t b = rb[g * RB * block_bytes(fmt) + (c & 3) * 64 + 4 * i + j];
                 u[k] = c < 4 ? b & 15 : b >> 4;
                 if (fmt == Q5_0) {
                     uint32_t qh;
-                    memcpy(&qh, rb + G * 256 + (g * 16 + i) * 4, 4);
+                    memcpy(&qh, rb + g * 352 + 256 + i * 4, 4);
                     u[k] |= (uint8_t)(((qh >> k) & 1) << 4);
                 }
                 break;
             }
             case Q4_K: {
-                const uint8_t b = rb[s * 2048 + (gs >> 1) * 512 + c * 64 + 4 * i + j];
+                const uint8_t b = rb[s * 2304 + 256 + (gs >> 1) * 512 + c * 64 + 4 * i + j];
                 u[k] = gs & 1 ? b >> 4 : b & 15;
                 break;
             }
             default: { /* Q6_K */
                 const int hf = gs >> 2, gi = gs & 3;
-                const uint8_t l = rb[s * 2048 + (16 * hf + 8 * (gi & 1) + c) * 64 + 4 * i + j];
-                const uint8_t h = rb[S * 2048 + s * 1024 + (8 * hf + c) * 64 + 4 * i + j];
+                const uint8_t l = rb[s * 3360 + 256 + (16 * hf + 8 * (gi & 1) + c) * 64 + 4 * i + j];
+                const uint8_t h = rb[s * 3360 + 2304 + (8 * hf + c) * 64 + 4 * i + j];
                 u[k] = (uint8_t)((gi < 2 ? l & 15 : l >> 4) | (((h >> (2 * gi)) & 3) << 4));
             }
             }
@@ -157,7 +162,7 @@ static void group_codes(int fmt, const uint8_t *rb, int64_t G, int i, int64_t g,
 
 /* Portable C: the same integer sums and group terms as the vector paths, one row at a time. */
 static void tile_portable(int fmt, const uint8_t *rb, const acts_t *a, int64_t m0, int mt, float out[MT][RB]) {
-    const int64_t G = a->G, S = G / 8;
+    const int64_t G = a->G;
     for (int m = 0; m < mt; m++)
         for (int i = 0; i < RB; i++) out[m][i] = 0.f;
     for (int64_t g = 0; g < G; g++) {
@@ -165,25 +170,25 @@ static void tile_portable(int fmt, const uint8_t *rb, const acts_t *a, int64_t m
         const int j8 = (int)(g % 8);
         for (int i = 0; i < RB; i++) {
             uint8_t u[GS];
-            group_codes(fmt, rb, G, i, g, u);
+            group_codes(fmt, rb, i, g, u);
             float d, mn = 0.f, dsc[2] = {0.f, 0.f};
             if (fmt == Q4_K) {
                 uint8_t q[12];
-                for (int w = 0; w < 3; w++) memcpy(q + 4 * w, rb + S * 2048 + s * 192 + w * 64 + 4 * i, 4);
+                for (int w = 0; w < 3; w++) memcpy(q + 4 * w, rb + s * 2304 + w * 64 + 4 * i, 4);
                 const int sc = j8 < 4 ? q[j8] & 63 : (q[j8 + 4] & 0xF) | ((q[j8 - 4] >> 6) << 4);
                 const int mm = j8 < 4 ? q[j8 + 4] & 63 : (q[j8 + 4] >> 4) | ((q[j8] >> 6) << 4);
-                d = half_to_float(rb + S * 2240 + s * 32 + 2 * i) * (float)sc;
-                mn = -(half_to_float(rb + S * 2272 + s * 32 + 2 * i) * (float)mm);
+                d = half_to_float(rb + s * 2304 + 192 + 2 * i) * (float)sc;
+                mn = -(half_to_float(rb + s * 2304 + 224 + 2 * i) * (float)mm);
             } else if (fmt == Q6_K) {
-                d = half_to_float(rb + S * 3328 + s * 32 + 2 * i);
+                d = half_to_float(rb + s * 3360 + 3328 + 2 * i);
                 for (int t = 0; t < 2; t++) {
                     const int sub = 2 * j8 + t;
-                    dsc[t] = d * (float)(int8_t)rb[S * 3072 + s * 256 + (sub >> 2) * 64 + 4 * i + (sub & 3)];
+                    dsc[t] = d * (float)(int8_t)rb[s * 3360 + (sub >> 2) * 64 + 4 * i + (sub & 3)];
                 }
             } else {
-                const uint8_t *f1 = rb + G * (fmt == Q8_0 ? 512 : 256);
-                d = half_to_float((fmt == Q5_0 ? f1 + G * 64 : f1) + g * 32 + 2 * i);
-                if (fmt == Q4_1) mn = half_to_float(f1 + G * 32 + g * 32 + 2 * i);
+                const uint8_t *t = rb + g * RB * block_bytes(fmt);
+                d = half_to_float(t + (fmt == Q5_0 ? 320 : fmt == Q8_0 ? 512 : 256) + 2 * i);
+                if (fmt == Q4_1) mn = half_to_float(t + 288 + 2 * i);
             }
             const int32_t off = fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;
             for (int m = 0; m < mt; m++) {
@@ -289,21 +294,28 @@ int gguf_gemm(const void *x, int x_bf16, const int64_t *segs, const float *bias,
     if (first_row[count] != N) return -2;
     const int nthreads = num_threads > 0 ? (int)num_threads : 1;
     const int64_t G = K / GS;
+    const int64_t groups = (M + MT - 1) / MT;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K) + 64);
+    int8_t *xqi = (int8_t *)calloc((size_t)(groups * MT * K) + 64, 1);
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * G));
     int32_t *xsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * G));
     int32_t *xsum16 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * G * 2));
-    if (!xq || !xs || !xsum || !xsum16) {
-        free(xq), free(xs), free(xsum), free(xsum16);
+    if (!xq || !xqi || !xs || !xsum || !xsum16) {
+        free(xq), free(xqi), free(xs), free(xsum), free(xsum16);
         return -1;
     }
     int8_quantize_rows(x, x_bf16, M, K, K, xq, xs, xsum, nthreads);
+    /* token m's codes k .. k + 3 at xqi[(m / MT) K MT + (k / 4) 4 MT + 4 (m % MT)]: a tile's broadcasts then read
+     * one stream from one base address */
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 4)
+            memcpy(xqi + (m / MT) * K * MT + k * MT + 4 * (m % MT), xq + m * K + k, 4);
     for (int64_t h = 0; h < M * G * 2; h++) {
         int32_t t = 0;
         for (int k = 0; k < GS / 2; k++) t += xq[h * (GS / 2) + k];
         xsum16[h] = t;
     }
-    const acts_t a = {xq, xs, xsum, xsum16, K, G};
+    const acts_t a = {xq, xqi, xs, xsum, xsum16, K, G};
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < first_block[count]; b++) {
         int64_t s = 0;
@@ -322,7 +334,7 @@ int gguf_gemm(const void *x, int x_bf16, const int64_t *segs, const float *bias,
         default: row_block_Q6_K(rb, &a, M, n0, nr, N, bias, out, x_bf16); break;
         }
     }
-    free(xq), free(xs), free(xsum), free(xsum16);
+    free(xq), free(xqi), free(xs), free(xsum), free(xsum16);
     return 0;
 }
 
