@@ -77,7 +77,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's
 /* The quantized activations of one call. */
 typedef struct {
     const int8_t *q;      /* [M][K] codes */
-    const int8_t *qi;     /* the same, tokens interleaved: [ceil(M / MT)][K / 4][MT][4] (zeros past M) */
+    const int8_t *qi;     /* the same, tokens interleaved per group of MT: [M / MT][K / 4][MT][4], then the rest */
     const float *s;       /* [M][G] scales (amax / 127) */
     const int32_t *sum;   /* [M][G] code sums per group of 32 */
     const int32_t *sum16; /* [M][2G] code sums per 16 */
@@ -294,9 +294,8 @@ int gguf_gemm(const void *x, int x_bf16, const int64_t *segs, const float *bias,
     if (first_row[count] != N) return -2;
     const int nthreads = num_threads > 0 ? (int)num_threads : 1;
     const int64_t G = K / GS;
-    const int64_t groups = (M + MT - 1) / MT;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K) + 64);
-    int8_t *xqi = (int8_t *)calloc((size_t)(groups * MT * K) + 64, 1);
+    int8_t *xqi = (int8_t *)malloc((size_t)(M * K) + 64);
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * G));
     int32_t *xsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * G));
     int32_t *xsum16 = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * G * 2));
@@ -305,11 +304,13 @@ int gguf_gemm(const void *x, int x_bf16, const int64_t *segs, const float *bias,
         return -1;
     }
     int8_quantize_rows(x, x_bf16, M, K, K, xq, xs, xsum, nthreads);
-    /* token m's codes k .. k + 3 at xqi[(m / MT) K MT + (k / 4) 4 MT + 4 (m % MT)]: a tile's broadcasts then read
-     * one stream from one base address */
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < K; k += 4)
-            memcpy(xqi + (m / MT) * K * MT + k * MT + 4 * (m % MT), xq + m * K + k, 4);
+    /* tokens in groups of MT (the last one: the rest, w tokens), interleaved per 4 k: token m's codes k .. k + 3
+     * at xqi[m0 K + (k / 4) 4 w + 4 (m - m0)], m0 = its group's first token; a tile's broadcasts then read one
+     * stream from one base address, and a batch-1 call reads K bytes (not MT K) */
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t m0 = m / MT * MT, w = M - m0 < MT ? M - m0 : MT;
+        for (int64_t k = 0; k < K; k += 4) memcpy(xqi + m0 * K + k * w + 4 * (m - m0), xq + m * K + k, 4);
+    }
     for (int64_t h = 0; h < M * G * 2; h++) {
         int32_t t = 0;
         for (int k = 0; k < GS / 2; k++) t += xq[h * (GS / 2) + k];

@@ -50,7 +50,7 @@ AI void dotn(gv acc[MT], const gv *w, int n, const int8_t *xg, int64_t c0, int m
     for (int c = 0; c < n; c++)
         for (int m = 0; m < mt; m++) {
             int32_t x4;
-            memcpy(&x4, xg + (c0 + c) * (4 * MT) + 4 * m, 4); /* tokens interleaved per 4 k */
+            memcpy(&x4, xg + (c0 + c) * (4 * mt) + 4 * m, 4); /* the group's mt tokens interleaved per 4 k */
             const __m512i xb = _mm512_set1_epi32(x4);
             if (mt <= 2 && (c & 1)) acc2[m] = _mm512_dpbusd_epi32(acc2[m], w[c], xb);
             else acc[m] = _mm512_dpbusd_epi32(acc[m], w[c], xb);
@@ -83,7 +83,7 @@ AI void tile_q32(int fmt, const uint8_t *rb, const acts_t *a, int64_t m0, int mt
     /* one block of 16 rows every TB bytes: codes (QS bytes), qh (Q5_0: 64), d (32), m (Q4_1: 32) */
     const int64_t TB = RB * block_bytes(fmt), QS = fmt == Q8_0 ? 512 : 256, DO = fmt == Q5_0 ? 320 : QS;
     const int32_t off = fmt == Q8_0 ? 128 : fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;
-    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes (m0 is a multiple of MT) */
+    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes */
     __m512 accf[MT];
     for (int m = 0; m < mt; m++) accf[m] = _mm512_setzero_ps();
     /* Q5_0: byte b of qh (bits 8b .. 8b + 7) copied to the 4 bytes of each lane, then bit 4 (c % 2) + j tested */
@@ -129,7 +129,7 @@ AI void tile_q32(int fmt, const uint8_t *rb, const acts_t *a, int64_t m0, int mt
 /* Q4_K: super-blocks of 256 = 8 groups with 6-bit scales and mins. */
 AI void tile_q4k(const uint8_t *rb, const acts_t *a, int64_t m0, int mt, float out[MT][RB]) {
     const int64_t S = a->G / 8;
-    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes (m0 is a multiple of MT) */
+    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes */
     __m512 accf[MT];
     for (int m = 0; m < mt; m++) accf[m] = _mm512_setzero_ps();
     const gv m6 = _mm512_set1_epi8(0x3F), m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
@@ -165,7 +165,7 @@ AI void tile_q4k(const uint8_t *rb, const acts_t *a, int64_t m0, int mt, float o
 /* Q6_K: super-blocks of 256 = 16 sub-blocks of 16 with int8 scales; 4 low bits in ql, 2 high bits in qh. */
 AI void tile_q6k(const uint8_t *rb, const acts_t *a, int64_t m0, int mt, float out[MT][RB]) {
     const int64_t S = a->G / 8;
-    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes (m0 is a multiple of MT) */
+    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes */
     __m512 accf[MT];
     for (int m = 0; m < mt; m++) accf[m] = _mm512_setzero_ps();
     const gv m30 = _mm512_set1_epi8(0x30);
@@ -265,7 +265,7 @@ AI void dot4s(gv acc[MT], gv w, const int8_t *xg, int64_t chunk, int mt, int sig
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     for (int m = 0; m < mt; m++) {
         int32_t x4;
-        memcpy(&x4, xg + chunk * (4 * MT) + 4 * m, 4); /* tokens interleaved per 4 k */
+        memcpy(&x4, xg + chunk * (4 * mt) + 4 * m, 4); /* the group's mt tokens interleaved per 4 k */
         const __m256i xb = _mm256_set1_epi32(x4);
         #pragma GCC unroll 16
         for (int p = 0; p < 2; p++) {
@@ -312,7 +312,7 @@ AI void tile_q32(int fmt, const uint8_t *rb, const acts_t *a, int64_t m0, int mt
     /* one block of 16 rows every TB bytes: codes (QS bytes), qh (Q5_0: 64), d (32), m (Q4_1: 32) */
     const int64_t TB = RB * block_bytes(fmt), QS = fmt == Q8_0 ? 512 : 256, DO = fmt == Q5_0 ? 320 : QS;
     const int32_t off = fmt == Q8_0 ? 0 : fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0;
-    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes (m0 is a multiple of MT) */
+    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes */
     gf accf[MT];
     for (int m = 0; m < mt; m++) accf[m] = gf_zero();
     const __m256i lane = _mm256_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0);
@@ -357,7 +357,7 @@ AI void tile_q32(int fmt, const uint8_t *rb, const acts_t *a, int64_t m0, int mt
 
 AI void tile_q4k(const uint8_t *rb, const acts_t *a, int64_t m0, int mt, float out[MT][RB]) {
     const int64_t S = a->G / 8;
-    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes (m0 is a multiple of MT) */
+    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes */
     gf accf[MT];
     for (int m = 0; m < mt; m++) accf[m] = gf_zero();
     const __m256i m6 = _mm256_set1_epi8(0x3F), m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
@@ -404,7 +404,7 @@ AI void tile_q4k(const uint8_t *rb, const acts_t *a, int64_t m0, int mt, float o
 
 AI void tile_q6k(const uint8_t *rb, const acts_t *a, int64_t m0, int mt, float out[MT][RB]) {
     const int64_t S = a->G / 8;
-    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes (m0 is a multiple of MT) */
+    const int8_t *xr = a->qi + m0 * a->K; /* this token group's codes */
     gf accf[MT];
     for (int m = 0; m < mt; m++) accf[m] = gf_zero();
     const __m256i m30 = _mm256_set1_epi8(0x30);
