@@ -14,7 +14,7 @@ from kvserve.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "gguf")
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -45,7 +45,9 @@ class EngineConfig:
         quantization: None (weights in ``dtype``) | ``int8``: the decoder layers' projections and the LM head
             as per-output-channel symmetric int8 with float32 scales, quantized at load from the checkpoint's
             float32 tensors; activations quantized per token at each call (docs/quantization.md). The
-            embedding table and the norms keep ``dtype``.
+            embedding table and the norms keep ``dtype``. | ``gguf`` (a ``.gguf`` checkpoint only): the file's
+            quantized tensors (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) served in their blocks, without
+            dequantizing them at load; activations quantized per token and group of 32 at each call.
         device: ``auto`` | ``cpu`` | ``cuda`` (``auto``: CUDA when present).
         max_model_len: longest sequence (prompt + output) in tokens; None: the model's own limit.
         block_size: tokens per KV block.
@@ -188,7 +190,9 @@ class EngineConfig:
                             "channels; fp8 (= fp8_e4m3): 8 bits with a float32 scale per token and KV head")
         g.add_argument("--quantization", default=None,
                        help="int8: int8 weights (per output channel, quantized at load) and int8 activations "
-                            "(per token) in every linear of the decoder and the LM head")
+                            "(per token) in every linear of the decoder and the LM head; gguf (.gguf models): the "
+                            "file's quantized blocks (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) as they are, multiplied "
+                            "by block kernels")
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--block-size", type=int, default=d.block_size)

@@ -38,7 +38,7 @@ from kvserve.layers import cpu_kernels
 from kvserve.layers.kv_quant import KV8_DTYPES, layout_tag
 from kvserve.models.catalog import resolve_model_path
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import load_weights
+from kvserve.models.loader import load_gguf_blocks, load_weights
 from kvserve.models.registry import ModelArchConfig
 from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvserve.sample.token_constraints import prepare_token_constraints
@@ -78,7 +78,7 @@ def model_fingerprint(model_path: Path, arch: ModelArchConfig, tokenizer: Tokeni
     another path or on another host shares KV through a Redis tier, while any changed byte does not), the
     architecture config, the tokenizer (its full serialized form), the KV dtype (and for int8 its row layout,
     ``kv_quant.layout_tag``: blocks of the earlier per-row int8 layout are never read as the grouped one), the
-    weights' dtype, the activations' dtype (None: the KV dtype) and the weight quantization (``int8``). Mixed
+    weights' dtype, the activations' dtype (None: the KV dtype) and the weight quantization (``int8``, ``gguf``). Mixed
     into every prefix-cache block hash, so KV computed by one model can never be served to a request of another.
     """
     files = sorted(model_path.iterdir()) if model_path.is_dir() else [model_path]
@@ -153,6 +153,19 @@ def compute_dtype_for(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_features.has_native_bf16():
         return torch.float32
     return dtype
+
+
+def resolve_quantization(config: EngineConfig, model_path: Path) -> str | None:
+    """``--quantization`` as served: ``int8`` and None as given; ``gguf`` needs a ``.gguf`` checkpoint.
+
+    Raises:
+        InvalidRequestError: ``gguf`` with a checkpoint that is not a GGUF file (``param="quantization"``).
+    """
+    if config.quantization == "gguf" and model_path.suffix != ".gguf":
+        raise InvalidRequestError(
+            f"quantization: gguf serves a GGUF file's quantized blocks as they are, but model {config.model!r} is "
+            f"{model_path}, not a .gguf file (use int8, or leave quantization unset)", param="quantization")
+    return config.quantization
 
 
 def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -241,7 +254,9 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         # SamplingParams fields a request leaves out take these values (vLLM's --generation-config).
         self.default_sampling_params = load_generation_defaults(config.generation_config, self.model_path)
-        arch, weights = load_weights(self.model_path)
+        self.quantization = resolve_quantization(config, self.model_path)
+        arch, weights = (load_gguf_blocks(self.model_path) if self.quantization == "gguf"
+                         else load_weights(self.model_path))
         self.arch = arch
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -260,7 +275,7 @@ class LLMEngine:
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is off", param="max_num_batched_tokens")
         model = build_model(arch, weights, self.max_model_len, self.dtype, self.device, self.compute_dtype,
-                            quantization=config.quantization)
+                            quantization=self.quantization)
         del weights
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init:
@@ -271,7 +286,7 @@ class LLMEngine:
         self.num_blocks = self._num_blocks(model)
         self._fit_max_model_len_to_cache()
         self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.kv_dtype, self.dtype,
-                                             self.compute_dtype, config.quantization)
+                                             self.compute_dtype, self.quantization)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.prefix_caching_hash_algo, self.fingerprint)
         num_host_blocks = 0

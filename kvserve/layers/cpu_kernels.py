@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the system C compiler and called through ctypes.
 
-Seven sources under ``csrc/`` build one shared library:
+Eight sources under ``csrc/`` build one shared library:
 
 * ``small_gemm.c``: the linear layers and the LM head at small M (decode): weights streamed at the memory
   bandwidth, float32 or bfloat16 weights, AVX2/AVX-512 FMA or AVX512-BF16 dot products;
@@ -13,12 +13,15 @@ Seven sources under ``csrc/`` build one shared library:
 * ``fused_ops.c``: RMSNorm + residual add, SiLU·mul, rotary + KV-cache write, one call each;
 * ``int8_gemm.c``: the linear layers with int8 weights (``--quantization int8``, ``int8.py``): activations
   quantized per token, AVX512-VNNI ``vpdpbusd`` or AVX2 ``vpmaddubsw`` int32 dot products;
+* ``gguf_gemm.c``: the linear layers with GGUF block weights (``--quantization gguf``, ``gguf_blocks.py``): Q4_0,
+  Q4_1, Q5_0, Q8_0, Q4_K, Q6_K blocks unpacked in registers, int8 activations, the same dot products;
 * ``decode_step.c``: all layers of a pure-decode step in one call, chaining the kernels above (no Python
   between kernels: at batch 1 the gaps cost ~30 % of the step).
 
-Each has a torch reference path (``F.linear``, ``int8.int8_linear_reference``, ``attention.py``,
-``layernorm.py``/``rotary.py``), which is also the oracle the kernels are tested against, and which callers
-use when the library is unavailable: no C compiler, a failed build, CUDA tensors, or ``KVSERVE_DISABLE_NATIVE=1``.
+Each has a torch reference path (``F.linear``, ``int8.int8_linear_reference``, ``gguf_blocks.gguf_linear_reference``,
+``attention.py``, ``layernorm.py``/``rotary.py``), which is also the oracle the kernels are tested against, and which
+callers use when the library is unavailable: no C compiler, a failed build, CUDA tensors, or
+``KVSERVE_DISABLE_NATIVE=1``.
 
 The library is built with ``-march=native`` (``KVSERVE_NATIVE_MARCH`` overrides it, e.g. ``x86-64-v3`` to
 force the AVX2 path on an AVX-512 host), linked with OpenMP: at run time it binds to the ``libgomp.so.1``
@@ -56,12 +59,14 @@ _SOURCES = {  # file -> its own flags (fast-math only where reductions must reor
     "prefill_attention.c": ["-ffp-contract=fast"],  # (no fast-math: its exp rounds with the 1.5*2^23 trick)
     "int8_gemm.c": ["-ffp-contract=off"],  # (its float epilogue must equal the torch reference's bits)
     "threads.c": [],
+    "gguf_gemm.c": [],
 }
 _COMMON = ["-O3", "-fPIC", "-fopenmp"]
 _LIBS = ["-lm", "-lmvec"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 WEIGHT_FMT_INT8 = 2  # decode_step's weight_fmt for int8 weights (0 float32, 1 bfloat16)
+WEIGHT_FMT_GGUF = 3  # ... and for GGUF blocks (each weight pointer a segment table, gguf_gemm.c)
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "small_gemm": (ctypes.c_int, [_PTR, ctypes.c_int, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "small_gemm_features": (ctypes.c_int, []),
@@ -85,6 +90,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "int8_packed_nbytes": (_I64, [_I64, _I64]),
     "int8_quantize_rows": (None, [_PTR, ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
     "pin_omp_threads": (ctypes.c_int, [_PTR, ctypes.c_int32]),
+    "gguf_gemm": (ctypes.c_int, [_PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
+    "gguf_gemm_features": (ctypes.c_int, []),
+    "gguf_rowblock_bytes": (_I64, [_I64, _I64]),
 }
 
 
@@ -487,3 +495,40 @@ def pin_omp_threads(cpus: list[int]) -> int:
         raise ValueError("pin_omp_threads: no CPUs given")
     arr = (ctypes.c_int32 * len(cpus))(*cpus)
     return int(_lib().pin_omp_threads(ctypes.addressof(arr), len(cpus)))
+
+
+def gguf_features(lib: ctypes.CDLL | None = None) -> set[str]:
+    """The GGUF GEMM path compiled in: ``{"avx512_vnni"}`` (``vpdpbusd``), ``{"avx2"}`` (``vpmaddubsw``) or empty
+    (portable C)."""
+    f = (lib or _lib()).gguf_gemm_features()
+    return {1: {"avx512_vnni"}, 2: {"avx2"}}.get(f, set())
+
+
+def gguf_gemm(x: torch.Tensor, segments: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+              lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with W in GGUF blocks (``gguf_blocks.pack``'s layout), x quantized per token and group.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16, K a multiple of 32 (a strided view is copied to contiguous first).
+        segments: int64 ``[1 + 3 S]``: ``S``, then ``(format code, rows, address of its packed bytes)`` per segment,
+            in output order (``GGUFLinear.segment_table``); the addresses must stay valid during the call.
+        n: output features (the segments' rows summed).
+        bias: ``[n]`` float32 or None.
+        lib: a library from ``build_library`` (tests); default: the process's library.
+    Returns:
+        ``[M, n]`` in x's dtype: the dequantized weights times the quantized activations, float32 accumulation.
+    Raises:
+        RuntimeError: the kernels are unavailable, scratch memory could not be allocated, or the table is invalid
+            (an unknown format, K not a multiple of a format's block, rows not summing to n).
+    """
+    lib = lib or _lib()
+    x = x.contiguous()
+    m, k = x.shape
+    assert segments.dtype == torch.int64 and segments.is_contiguous()
+    assert bias is None or (bias.dtype == torch.float32 and bias.numel() == n)
+    out = torch.empty(m, n, dtype=x.dtype)
+    rc = lib.gguf_gemm(x.data_ptr(), _bf16_flag(x), segments.data_ptr(), None if bias is None else bias.data_ptr(),
+                       out.data_ptr(), m, n, k, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"gguf_gemm failed with code {rc}" + (" (invalid segment table)" if rc == -2 else ""))
+    return out

@@ -9,6 +9,7 @@ exact numerics we must reproduce.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from functools import cache
 from typing import cast
 
@@ -18,6 +19,8 @@ from torch import nn
 
 from kvserve.layers import cpu_kernels, onednn
 from kvserve.layers.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.layers.gguf_blocks import GGUFTensor, block_format
+from kvserve.layers.gguf_linear import GGUFEmbedding, GGUFLinear
 from kvserve.layers.int8 import Int8Linear
 from kvserve.layers.kv_quant import format_code, is_kv8
 from kvserve.layers.layernorm import RMSNorm
@@ -128,12 +131,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelArchConfig, max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens: nn.Embedding | GGUFEmbedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
         self.rotary = rotary
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head: Linear | Int8Linear = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: Linear | Int8Linear | GGUFLinear = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Whole decode steps in one native call where possible (see ``_can_fuse_decode``); tests switch it
         # off to compare with the per-layer path.
         self.fuse_decode = True
@@ -159,10 +162,12 @@ class LlamaForCausalLM(nn.Module):
         8-bit cache whose native decode variant is built), small enough for the small-M kernels:
         ``decode_step.c`` runs it whole (the per-layer path below is its reference, bitwise)."""
         kv_dtype = kv_caches[0][0].dtype
+        emb = self.embed_tokens
         return (meta.native_decode is not None and meta.num_decode_tokens == x.shape[0] <= small_m_max(x.dtype)
                 and not meta.prefill_groups and meta.native_prefill is None and use_native(x)
                 and (kv_dtype == x.dtype or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
-                and self.fuse_decode and self.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
+                and self.fuse_decode and self._weight_fmt() is not None
+                and (isinstance(emb, GGUFEmbedding) or emb.weight.dtype in (torch.float32, torch.bfloat16)))
 
     def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -190,15 +195,22 @@ class LlamaForCausalLM(nn.Module):
             x.contiguous(), self._layer_ptrs[1], self.norm.weight, positions, meta.slot_mapping, block_tables,
             seq_lens, kv_caches[0][0].shape[1], self.rotary.cos, self.rotary.sin, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cast(DecoderLayer, self.layers[0]).self_attn.scale, self._weight_fmt(),
+            cast(DecoderLayer, self.layers[0]).self_attn.scale, cast(int, self._weight_fmt()),
             format_code(kv_caches[0][0]) if is_kv8(kv_caches[0][0].dtype) else 0)
 
-    def _weight_fmt(self) -> int:
-        """decode_step's weight code of the decoder layers' projections: 0 float32, 1 bfloat16, 2 int8."""
-        qkv = cast(DecoderLayer, self.layers[0]).self_attn.qkv_proj
-        if isinstance(qkv, Int8Linear):
-            return cpu_kernels.WEIGHT_FMT_INT8
-        return int(qkv.weight.dtype == torch.bfloat16)
+    def _weight_fmt(self) -> int | None:
+        """decode_step's weight code of the decoder layers' projections: 0 float32, 1 bfloat16, 2 int8, 3 GGUF
+        blocks; None when they differ (a GGUF file with some projections in float: the per-layer path runs)."""
+        codes = set()
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if isinstance(lin, Int8Linear):
+                    codes.add(cpu_kernels.WEIGHT_FMT_INT8)
+                elif isinstance(lin, GGUFLinear):
+                    codes.add(cpu_kernels.WEIGHT_FMT_GGUF)
+                else:
+                    codes.add(int(cast(nn.Linear, lin).weight.dtype == torch.bfloat16))
+        return codes.pop() if len(codes) == 1 else None
 
     def use_int8_weights(self, lm_head: bool = True) -> None:
         """``--quantization int8``: replace every projection of the decoder layers (and the LM head, unless
@@ -215,6 +227,54 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(old, nn.Linear)
             setattr(parent, name, Int8Linear(old.in_features, old.out_features, bias=old.bias is not None))
 
+    def use_gguf_weights(self, weights: Mapping[str, torch.Tensor | GGUFTensor]) -> None:
+        """``--quantization gguf``: every projection, the embedding table and the LM head whose tensors ``weights``
+        (``loader.load_gguf_blocks``) holds as GGUF blocks become ``GGUFLinear`` / ``GGUFEmbedding`` sized for those
+        blocks (a fused projection gets one segment per part, each in its own format); float tensors keep their
+        float modules. Call on the meta device, before ``load_weights``.
+
+        Raises:
+            ValueError: a tensor missing, a format the kernels do not serve, or a fused projection mixing float
+                and quantized parts.
+        """
+        cfg = self.config
+
+        def parts(names: list[str]) -> list[GGUFTensor] | None:
+            missing = [n for n in names if n not in weights]
+            if missing:
+                raise ValueError(f"weight {missing[0]} missing from the checkpoint")
+            got = [weights[n] for n in names]
+            blocks = [t for t in got if isinstance(t, GGUFTensor)]
+            if blocks and len(blocks) != len(got):
+                raise ValueError(f"quantization: gguf cannot fuse {', '.join(names)}: some are float, some blocks")
+            for name, t in zip(names, blocks, strict=False):
+                fmt = block_format(t.code, name)  # raises for a format the kernels do not serve
+                if t.cols % fmt.elems:
+                    raise ValueError(f"quantization: {name} has {t.cols} columns, not a multiple of "
+                                     f"{fmt.name}'s {fmt.elems}")
+            return blocks or None
+
+        targets: list[tuple[nn.Module, str, list[str]]] = []
+        for i, layer in enumerate(cast(list[DecoderLayer], list(self.layers))):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            targets += [(layer.self_attn, "qkv_proj", [a + f"{n}_proj.weight" for n in "qkv"]),
+                        (layer.self_attn, "o_proj", [a + "o_proj.weight"]),
+                        (layer.mlp, "gate_up_proj", [m + "gate_proj.weight", m + "up_proj.weight"]),
+                        (layer.mlp, "down_proj", [m + "down_proj.weight"])]
+        emb = parts(["model.embed_tokens.weight"])
+        if emb:
+            self.embed_tokens = GGUFEmbedding(cfg.vocab_size, cfg.hidden_size, emb[0].code)
+        if not cfg.tie_word_embeddings:
+            targets.append((self, "lm_head", ["lm_head.weight"]))
+        elif emb:  # a tied head: the table's blocks, shared (``load_weights`` ties the buffers)
+            self.lm_head = GGUFLinear(cfg.hidden_size, [(emb[0].code, cfg.vocab_size)], bias=False)
+        for parent, name, names in targets:
+            blocks = parts(names)
+            if blocks:
+                old = getattr(parent, name)
+                setattr(parent, name, GGUFLinear(old.in_features, [(t.code, t.rows) for t in blocks],
+                                                 bias=old.bias is not None))
+
     @property
     def compute_dtype(self) -> torch.dtype:
         """The activations' dtype (the norms'); linear and embedding weights may be narrower (bf16)."""
@@ -224,19 +284,26 @@ class LlamaForCausalLM(nn.Module):
         """``[num_rows, hidden_size]`` -> float32 logits ``[num_rows, vocab_size]``."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor | GGUFTensor]) -> None:
         """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...), fusing q/k/v and gate/up.
+        GGUF blocks (``GGUFTensor``) go to the GGUF modules ``use_gguf_weights`` made for them.
 
         Raises:
-            ValueError: a tensor is missing or has the wrong shape.
+            ValueError: a tensor is missing or has the wrong shape or format.
         """
         cfg = self.config
         params = dict(self.named_parameters())
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor | GGUFTensor:
             if name not in weights:
                 raise ValueError(f"weight {name} missing from the checkpoint")
             return weights[name]
+
+        def float_tensor(name: str) -> torch.Tensor:
+            t = take(name)
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"weight {name} is kept as GGUF blocks: load it with --quantization gguf")
+            return t
 
         def put(name: str, value: torch.Tensor) -> None:
             module_name, _, leaf = name.rpartition(".")
@@ -250,31 +317,46 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 p.copy_(value)
 
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
-        put("norm.weight", take("model.norm.weight"))
-        if not cfg.tie_word_embeddings or isinstance(self.lm_head, Int8Linear):
+        def put_linear(dst: str, sources: list[str]) -> None:
+            """A (fused) projection's weight from its parts: GGUF segments, or float rows concatenated."""
+            module = self.get_submodule(dst)
+            if isinstance(module, GGUFLinear):
+                module.load_segments([cast(GGUFTensor, take(n)) for n in sources])
+            else:
+                put(dst + ".weight", torch.cat([float_tensor(n) for n in sources], dim=0))
+
+        if isinstance(self.embed_tokens, GGUFEmbedding):
+            self.embed_tokens.load(cast(GGUFTensor, take("model.embed_tokens.weight")))
+        else:
+            put("embed_tokens.weight", float_tensor("model.embed_tokens.weight"))
+        put("norm.weight", float_tensor("model.norm.weight"))
+        if cfg.tie_word_embeddings and isinstance(self.lm_head, GGUFLinear):
+            assert isinstance(self.embed_tokens, GGUFEmbedding)
+            self.lm_head.tie_to(self.embed_tokens)  # one buffer for lookups and the head
+        elif not cfg.tie_word_embeddings or isinstance(self.lm_head, Int8Linear):
             # (a tied head under int8: its own codes, quantized from the embedding's float32 tensor)
-            put("lm_head.weight", take("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"))
+            put_linear("lm_head", ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
         for i in range(cfg.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
-            put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
-            put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
-            put(dst + "self_attn.qkv_proj.weight",
-                torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"], dim=0))
+            put(dst + "input_layernorm.weight", float_tensor(src + "input_layernorm.weight"))
+            put(dst + "post_attention_layernorm.weight", float_tensor(src + "post_attention_layernorm.weight"))
+            put_linear(dst + "self_attn.qkv_proj", [attn + f"{n}_proj.weight" for n in "qkv"])
             if cfg.attention_bias:
-                put(dst + "self_attn.qkv_proj.bias", torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"]))
-            put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
+                put(dst + "self_attn.qkv_proj.bias", torch.cat([float_tensor(attn + f"{n}_proj.bias") for n in "qkv"]))
+            put_linear(dst + "self_attn.o_proj", [attn + "o_proj.weight"])
             mlp = src + "mlp."
-            put(dst + "mlp.gate_up_proj.weight",
-                torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], dim=0))
-            put(dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
+            put_linear(dst + "mlp.gate_up_proj", [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+            put_linear(dst + "mlp.down_proj", [mlp + "down_proj.weight"])
 
 
 def _weight_ptr(linear: nn.Module) -> int:
-    """The address decode_step.c reads a projection's weight from (an int8 linear's packed buffer)."""
+    """The address decode_step.c reads a projection's weight from (an int8 linear's packed buffer, a GGUF linear's
+    segment table, which the module keeps alive)."""
     if isinstance(linear, Int8Linear):
         return int(linear.packed.data_ptr())
+    if isinstance(linear, GGUFLinear):
+        return int(linear.segment_table().data_ptr())
     return int(cast(nn.Linear, linear).weight.data_ptr())
 
 

@@ -1,9 +1,10 @@
 """Load a model's config, weights and tokenizer from a GGUF file or an HF folder (safetensors).
 
 GGUF tensors (Q4_1, Q8_0, ...) are dequantized to float32 with the ``gguf`` package, then cast to the
-engine's dtype. llama.cpp's converter permutes the rows of Llama's q/k projections (it uses interleaved
-RoPE); we undo that permutation so the weights match HF's layout and HF's rotate-half RoPE, exactly as
-transformers' own GGUF loader does.
+engine's dtype; with ``--quantization gguf`` (``load_gguf_blocks``) they stay blocks (``layers/gguf_blocks.py``).
+llama.cpp's converter permutes the rows of Llama's q/k projections (it uses interleaved RoPE); we undo that
+permutation so the weights match HF's layout and HF's rotate-half RoPE, exactly as transformers' own GGUF loader
+does (on blocks: whole rows move, each row's blocks unchanged).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve.layers.gguf_blocks import GGUFTensor, from_numpy_rows
 from kvserve.models.catalog import cache_dir
 from kvserve.models.registry import ModelArchConfig, gguf_arch_config
 
@@ -50,11 +52,24 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
     """GGUF file -> (config, HF-named float32 tensors)."""
+    cfg, weights = _read_gguf(path, keep_blocks=False)
+    return cfg, {name: t for name, t in weights.items() if isinstance(t, torch.Tensor)}
+
+
+def load_gguf_blocks(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor | GGUFTensor]]:
+    """GGUF file -> (config, HF-named tensors) for ``--quantization gguf``: every quantized tensor kept as its
+    blocks (a ``GGUFTensor``: the file's bytes of each row, rows in HF order), float tensors (F32, F16, BF16) as
+    float32 tensors."""
+    return _read_gguf(path, keep_blocks=True)
+
+
+def _read_gguf(path: Path, keep_blocks: bool) -> tuple[ModelArchConfig, dict[str, torch.Tensor | GGUFTensor]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     cfg = gguf_arch_config(reader)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | GGUFTensor] = {}
+    floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
     for t in reader.tensors:
         name = t.name
         if name in _GGUF_NAMES:
@@ -66,7 +81,15 @@ def load_gguf(path: Path) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
                 continue
             hf = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
         # GGUF lists dims fastest-first; torch wants them slowest-first.
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if keep_blocks and t.tensor_type not in floats and len(shape) == 2:
+            rows = np.asarray(t.data).reshape(shape[0], -1)  # [rows, row bytes]: blocks never straddle rows
+            if cfg.architecture == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                n = cfg.num_attention_heads if "q_proj" in hf else cfg.num_key_value_heads
+                rows = _unpermute(rows, n)  # whole rows move, so their blocks stay intact
+            weights[hf] = GGUFTensor(int(t.tensor_type), shape[0], shape[1], from_numpy_rows(rows))
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         if cfg.architecture == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             n = cfg.num_attention_heads if "q_proj" in hf else cfg.num_key_value_heads
             arr = _unpermute(arr, n)

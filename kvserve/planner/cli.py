@@ -27,8 +27,9 @@ def add_plan_parser(sub: Any) -> None:
                    help="weights as served (auto: what kvserve serves on this CPU: bfloat16 with native bf16 "
                         "dot products, else float32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_DTYPE_BYTES])
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: the projections and LM head as kvserve --quantization int8 serves them")
+    p.add_argument("--quantization", default=None, choices=["int8", "gguf"],
+                   help="int8 / gguf: the weights as kvserve --quantization int8 / gguf serves them (gguf: a GGUF "
+                        "file's quantized blocks as they are)")
     p.add_argument("--memory-gib", type=float, default=d.memory_bytes / GiB, help="device memory (GiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.utilization)
     p.add_argument("--reserve-gib", type=float, default=0.0, help="activations/fragmentation reserve (GiB)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.models.registry import ModelArchConfig
@@ -20,13 +20,15 @@ from kvserve.models.registry import ModelArchConfig
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """Attributes: ``num_params`` (elements of all tensors), ``file_bytes`` (tensor bytes as stored on disk)."""
+    """Attributes: ``num_params`` (elements of all tensors), ``file_bytes`` (tensor bytes as stored on disk),
+    ``gguf_tensors`` (a GGUF file's tensors as ``name: (ggml type id, shape slowest-first)``; empty otherwise)."""
 
     name: str
     path: str
     arch: ModelArchConfig
     num_params: int
     file_bytes: int
+    gguf_tensors: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def weight_bytes(self, dtype_bytes: int) -> int:
         """Bytes of the weights as served in a dtype of ``dtype_bytes`` per element."""
@@ -52,6 +54,40 @@ class ModelInfo:
         return linear + rest * dtype_bytes  # (rest: the embedding table, norms and biases)
 
 
+    def gguf_weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of the weights as served with ``--quantization gguf`` (``layers/gguf_linear.py``): each projection,
+        the embedding table and the LM head stored as blocks in the file keep them (rows padded to 16, a fused
+        projection's parts of one format merged, each part's bytes padded to 64; ``gguf_formats.linear_nbytes``),
+        a tied head shares the table's; float tensors (norms, biases, any float projection) in a dtype of
+        ``dtype_bytes``.
+
+        Raises:
+            ValueError: not a GGUF file, or a block format the kernels do not serve.
+        """
+        from kvserve.layers.gguf_formats import linear_nbytes, packed_nbytes
+
+        if not self.gguf_tensors:
+            raise ValueError(f"quantization: gguf needs a .gguf model; {self.name} is not one")
+        floats = (0, 1, 30)  # F32, F16, BF16
+        a, t = self.arch, self.gguf_tensors
+        groups = [["token_embd.weight"], *([["output.weight"]] if "output.weight" in t else [])]
+        for i in range(a.num_hidden_layers):
+            groups += [[f"blk.{i}.attn_{p}.weight" for p in "qkv"], [f"blk.{i}.attn_output.weight"],
+                       [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"], [f"blk.{i}.ffn_down.weight"]]
+        total = elements = 0
+        for names in groups:
+            parts = [t[n] for n in names]
+            elements += sum(math.prod(shape) for _, shape in parts)
+            cols = parts[0][1][1]
+            if any(code in floats for code, _ in parts):
+                total += sum(math.prod(shape) for _, shape in parts) * dtype_bytes
+            elif names == ["token_embd.weight"]:
+                total += packed_nbytes(parts[0][0], a.vocab_size, cols)
+            else:
+                total += linear_nbytes([(code, shape[0]) for code, shape in parts], cols)
+        return total + (self.num_params - elements) * dtype_bytes  # norms and biases
+
+
 def _gguf_info(name: str, path: Path) -> ModelInfo:
     import gguf
 
@@ -61,7 +97,8 @@ def _gguf_info(name: str, path: Path) -> ModelInfo:
     arch = gguf_arch_config(reader)
     params = sum(int(t.n_elements) for t in reader.tensors)
     stored = sum(int(t.n_bytes) for t in reader.tensors)
-    return ModelInfo(name, str(path), arch, params, stored)
+    tensors = {t.name: (int(t.tensor_type), tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
+    return ModelInfo(name, str(path), arch, params, stored, tensors)
 
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

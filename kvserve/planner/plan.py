@@ -33,8 +33,9 @@ class PlanOptions:
         dtype: weights as served (for ``auto`` kvserve serves ``float32`` on CPUs without native bf16 dot
             products, ``bfloat16`` on those with them).
         kv_cache_dtype: ``auto`` = ``dtype``.
-        quantization: None or ``int8`` (``--quantization int8``: projections and head at 1 byte per weight
-            plus scales, ``ModelInfo.int8_weight_bytes``; the rest in ``dtype``).
+        quantization: None, ``int8`` (``--quantization int8``: projections and head at 1 byte per weight
+            plus scales, ``ModelInfo.int8_weight_bytes``; the rest in ``dtype``) or ``gguf`` (a GGUF file's blocks
+            as they are, ``ModelInfo.gguf_weight_bytes``).
         memory_bytes: device memory; the KV budget is ``memory × utilization − weights − reserve``.
         kv_cache_memory_bytes: use this KV budget instead (kvserve's ``--kv-cache-memory`` on CPU).
         context_len: tokens per request for the roofline and the preemption/fetch examples.
@@ -119,7 +120,8 @@ def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | 
     kv8 = kv_dtype if b == 1 else "int8"
     bpt8 = cm.kv_bytes_per_token_8bit(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, kv8)
     bpt = bpt8 if b == 1 else cm.kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, b)
-    weights = info.int8_weight_bytes(w_bytes) if opts.quantization == "int8" else info.weight_bytes(w_bytes)
+    weights = (info.int8_weight_bytes(w_bytes) if opts.quantization == "int8" else
+               info.gguf_weight_bytes(w_bytes) if opts.quantization == "gguf" else info.weight_bytes(w_bytes))
     kv_mem = (opts.kv_cache_memory_bytes if opts.kv_cache_memory_bytes is not None else
               cm.kv_memory_bytes(opts.memory_bytes, weights, opts.utilization, opts.reserve_bytes))
     bw = opts.bandwidth_bytes_per_s or measured.get("memory")

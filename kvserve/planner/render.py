@@ -56,13 +56,17 @@ def spec_decode_table(sd: dict[str, Any]) -> Table:
                   ["α", *[f"k={k}" for k in sd["k"]], "best k"], rows, caption, styles)
 
 
+def _quantized(quantization: str | None) -> str:
+    return f" + {quantization} projections" if quantization else ""
+
+
 def render_plan(plan: dict[str, Any], console: Console | None = None) -> None:
     """Print every section of ``plan``."""
     c = console or (Console() if sys.stdout.isatty() else Console(width=240))
     m, kv, rf = plan["model"], plan["kv"], plan["roofline"]
     c.print(f"[bold]{m['name']}[/bold] ({m['architecture']}): {m['num_layers']} layers, {m['num_heads']} heads / "
             f"{m['num_kv_heads']} KV heads × {m['head_dim']}, {m['num_params'] / 1e6:,.1f} M params; weights "
-            f"{_bytes(m['weight_bytes'])} as {m['dtype']}{' + int8 projections' if m.get('quantization') else ''} "
+            f"{_bytes(m['weight_bytes'])} as {m['dtype']}{_quantized(m.get('quantization'))} "
             f"(file {_bytes(m['file_bytes'])})")
     c.print(_table(f"KV cache ({kv['kv_cache_dtype']}): {kv['kv_bytes_per_token']:,} B/token; KV budget "
                    f"{_bytes(kv['kv_memory_bytes'])}", ["seq len", "KV / request", "max concurrency",

@@ -10,6 +10,7 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from kvserve.core.scheduler_output import (
     TokenLogprobs,
 )
 from kvserve.layers.cpu_kernels import native_available
+from kvserve.layers.gguf_blocks import GGUFTensor
 from kvserve.layers.kv_quant import is_kv8, storage_dtype
 from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
@@ -44,7 +46,7 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 logger = logging.getLogger(__name__)
 
 
-def build_model(arch: ModelArchConfig, weights: dict[str, torch.Tensor], max_position: int,
+def build_model(arch: ModelArchConfig, weights: Mapping[str, torch.Tensor | GGUFTensor], max_position: int,
                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None,
                 quantization: str | None = None, quantize_lm_head: bool = True) -> LlamaForCausalLM:
     """Instantiate without random init (on the meta device), then load ``weights`` into it.
@@ -56,23 +58,28 @@ def build_model(arch: ModelArchConfig, weights: dict[str, torch.Tensor], max_pos
             the weight bytes per decode step, float32 math (see ``compute_dtype_for``).
         quantization: None, or ``"int8"``: the decoder layers' projections and the LM head (unless
             ``quantize_lm_head`` is False) hold int8 codes quantized from ``weights`` (``layers/int8.py``);
-            the embedding table and the norms keep ``dtype`` / ``compute_dtype``.
+            the embedding table and the norms keep ``dtype`` / ``compute_dtype``. ``"gguf"``: the tensors
+            ``weights`` holds as GGUF blocks (``loader.load_gguf_blocks``) stay blocks (``layers/gguf_linear.py``).
     Raises:
-        ValueError: an unknown ``quantization``, or a checkpoint tensor missing or of the wrong shape.
+        ValueError: an unknown ``quantization``, or a checkpoint tensor missing, of the wrong shape, or in a GGUF
+            format the kernels do not serve.
     """
     compute_dtype = compute_dtype or dtype
-    if quantization not in (None, "int8"):
-        raise ValueError(f"quantization: must be None or 'int8', got {quantization!r}")
+    if quantization not in (None, "int8", "gguf"):
+        raise ValueError(f"quantization: must be None, 'int8' or 'gguf', got {quantization!r}")
     with torch.device("meta"):
         model = MODEL_CLASSES[arch.architecture](arch, max_position)
         if quantization == "int8":
             model.use_int8_weights(lm_head=quantize_lm_head)
+        elif quantization == "gguf":
+            model.use_gguf_weights(weights)
     model = model.to_empty(device=device).to(compute_dtype)
     if dtype != compute_dtype:
         for module in model.modules():
             if isinstance(module, torch.nn.Linear | torch.nn.Embedding):
                 module.weight = torch.nn.Parameter(module.weight.to(dtype), requires_grad=False)
     if arch.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear):  # to_empty breaks the tie
+        assert isinstance(model.embed_tokens, torch.nn.Embedding)
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary.reset_tables()
     model.load_weights(weights)

@@ -103,3 +103,19 @@ def test_cli_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", MODEL, "--bandwidth-gbs", "10", "--copy-bandwidth-gbs", "5"]) == 0
     out = capsys.readouterr().out
     assert "46,080 B/token" in out and "8-bit KV cache (int8): 12,960 B/token" in out
+
+
+def test_gguf_weight_bytes_are_the_files_blocks(info: ModelInfo) -> None:
+    """``--quantization gguf`` serves SmolLM2's blocks as stored: Q4_1 projections (20 B per 32 weights), the tied
+    Q8_0 table once (34 B per 32), 35,136 norm weights in the dtype; equal to the file's tensor bytes but for the
+    norms' float32. (tests/model/test_gguf_weights.py checks the count against a served model's bytes.)"""
+    per_layer = (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536) // 32 * 20
+    table = 49152 * 576 // 32 * 34
+    norms = 30 * 2 * 576 + 576
+    assert info.gguf_weight_bytes(2) == 30 * per_layer + table + 2 * norms == 96_506_496
+    assert info.gguf_weight_bytes(4) == info.file_bytes
+    opts = PlanOptions(dtype="bfloat16", quantization="gguf", bandwidth_bytes_per_s=10 * GB, copy_bytes_per_s=5 * GB)
+    assert build_plan(info, opts)["model"]["weight_bytes"] == 96_506_496
+    hf = ModelInfo("hf", "/nowhere", info.arch, info.num_params, info.file_bytes)
+    with pytest.raises(ValueError, match="quantization: gguf needs a .gguf model; hf is not one"):
+        hf.gguf_weight_bytes(2)

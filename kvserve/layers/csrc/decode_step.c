@@ -1,6 +1,6 @@
 /* A whole decode step of a Llama-family decoder in one call (float32 or bfloat16 activations; a KV cache of
- * the activations' dtype or 8-bit (int8 / fp8 rows with scales, kv8.h); float32, bfloat16 or int8 weights
- * (int8_gemm.c's packed layout)): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
+ * the activations' dtype or 8-bit (int8 / fp8 rows with scales, kv8.h); float32, bfloat16, int8 weights
+ * (int8_gemm.c's packed layout) or GGUF blocks (gguf_gemm.c's segment tables)): every layer's norms, projections, RoPE, KV write, paged attention and MLP.
  *
  * Why: at batch 1 a step is ~300 kernel calls of 20-100 us each. Called one by one from Python, each pays
  * the interpreter's and ctypes' overhead and restarts the memory pipeline (the hardware prefetchers lose
@@ -17,7 +17,9 @@
  * and after the last layer: out = rms_norm(res += x).
  *
  * layer_ptrs: [num_layers, 9] int64 addresses: input_norm_w, qkv_w, qkv_b (0: none), o_w,
- * post_norm_w, gate_up_w, down_w, k_cache, v_cache (the weights: int8_gemm.c's packed buffers for w_fmt 2).
+ * post_norm_w, gate_up_w, down_w, k_cache, v_cache (the weights: int8_gemm.c's packed buffers for w_fmt 2;
+ * for w_fmt 3 gguf_gemm.c's segment tables, which let each projection, and each part of a fused one, have its
+ * own block format).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +30,8 @@
 int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *out,
                int64_t M, int64_t N, int64_t K, int64_t num_threads);
 int int8_gemm(const void *x, int x_bf16, const uint8_t *packed, const float *bias, void *out, int64_t M, int64_t N,
+              int64_t K, int64_t num_threads);
+int gguf_gemm(const void *x, int x_bf16, const int64_t *segs, const float *bias, void *out, int64_t M, int64_t N,
               int64_t K, int64_t num_threads);
 int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_bf16,
                            const int64_t *block_tables, const int64_t *seq_lens, float *out,
@@ -51,16 +55,17 @@ enum { P_IN_NORM, P_QKV_W, P_QKV_B, P_O_W, P_POST_NORM, P_GATE_UP_W, P_DOWN_W, P
 
 #define PTR(l, i) ((void *)(intptr_t)layer_ptrs[(l) * P_COUNT + (i)])
 
-/* One projection: w_fmt 0 float32, 1 bfloat16 (small_gemm.c), 2 int8 (int8_gemm.c). */
+/* One projection: w_fmt 0 float32, 1 bfloat16 (small_gemm.c), 2 int8 (int8_gemm.c), 3 GGUF (gguf_gemm.c). */
 static int gemm(const void *x, int act_bf16, const void *w, int w_fmt, const float *bias, void *out, int64_t M,
                 int64_t N, int64_t K, int64_t num_threads) {
     if (w_fmt == 2) return int8_gemm(x, act_bf16, (const uint8_t *)w, bias, out, M, N, K, num_threads);
+    if (w_fmt == 3) return gguf_gemm(x, act_bf16, (const int64_t *)w, bias, out, M, N, K, num_threads);
     return small_gemm(x, act_bf16, w, w_fmt, bias, out, M, N, K, num_threads);
 }
 
 /* x: [M, H] embeddings in the activation dtype (act_bf16: bfloat16, else float32), overwritten (scratch);
  * out: [M, H] final normed hidden, activation dtype. Norm weights have the activation dtype, biases are
- * float32, projection weights float32, bfloat16 or int8 (w_fmt 0 / 1 / 2), K/V caches the activation dtype (kv_fmt 0) or
+ * float32, projection weights float32, bfloat16, int8 or GGUF (w_fmt 0 / 1 / 2 / 3), K/V caches the activation dtype (kv_fmt 0) or
  * 8-bit (kv_fmt 2 int8, 3 fp8: rope_write_kv8 and paged_decode_attention_kv8 instead). As in the per-op
  * path, attention takes q widened to float32 and its output is rounded to the activation dtype.
  * Returns 0, or -1 when scratch memory could not be allocated or a kernel failed. */
