@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import pickle
+import re
 import threading
 import time
 import weakref
@@ -124,7 +125,7 @@ class DistributedExecutor(Executor):
         except Exception as e:
             if not self.driver.collectives_pending:
                 raise  # after the step's last collective: the ranks are in step; only this step failed
-            raise self._die(f"rank 0's step failed: {type(e).__name__}: {e}") from e
+            raise self._die(self._failure(e, "step")) from e
 
     def measure_prefill_speed(self, num_tokens: int) -> float:
         self.check_health()
@@ -133,7 +134,7 @@ class DistributedExecutor(Executor):
         try:
             speed = self.driver.measure_prefill_speed(num_tokens)
         except Exception as e:
-            raise self._die(f"rank 0's prefill probe failed: {type(e).__name__}: {e}") from e
+            raise self._die(self._failure(e, "prefill probe")) from e
         for rank, conn in enumerate(self.conns, start=1):
             self._recv(conn, rank, CALL_TIMEOUT_S, "answer the prefill probe")
         return speed
@@ -178,6 +179,18 @@ class DistributedExecutor(Executor):
         if msg[0] == "error":
             raise self._die(str(msg[1]))
         return msg
+
+    def _failure(self, e: Exception, what: str) -> str:
+        """Why rank 0's ``what`` failed mid-collectives: the worker that died, when one did (its sockets closing is
+        what failed the collective), and the collective's own error in short."""
+        brief = re.sub(r"^\[[^\]]*\]\s*", "", str(e)).split(". ")[0]  # gloo: "[file:line] Read error ...: reset"
+        dead = self._dead_worker(2.0)
+        cause = f"rank 0's {what} failed: {type(e).__name__}: {brief}"
+        return f"{dead} ({cause})" if dead else cause
+
+    def _dead_worker(self, timeout_s: float) -> str | None:
+        """``tensor-parallel rank r (pid p) exited ...`` for a worker found dead within ``timeout_s``, else None."""
+        return None
 
     def _die(self, reason: str) -> ExecutorDeadError:
         """Record the death (with the workers' own error reports, when they sent any), stop every worker, and
@@ -228,8 +241,8 @@ class DistributedExecutor(Executor):
         with self._lock:
             if self._dead is not None or self._closed:
                 return
-            self._dead = reason
-        logger.error("tensor parallelism stopped: %s", reason)
+            self._dead = reason + "".join(f"; {r}" for r in self._error_reports())
+        logger.error("tensor parallelism stopped: %s", self._dead)
         if self.wakeup is not None:
             self.wakeup()
 

@@ -67,6 +67,13 @@ class MultiprocExecutor(DistributedExecutor):
             proc.join(1.0)
         return "" if proc.exitcode is None else f" (exit code {proc.exitcode})"
 
+    def _dead_worker(self, timeout_s: float) -> str | None:
+        ready = wait([proc.sentinel for proc in self._procs], timeout=timeout_s)
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.sentinel in ready:
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited{self._exit_note(rank)}"
+        return None
+
     def _watch(self) -> None:
         threading.Thread(target=self._watcher, name="kvserve-tp-watch", daemon=True).start()
 

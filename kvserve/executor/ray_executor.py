@@ -129,6 +129,16 @@ class RayExecutor(DistributedExecutor):
         self.conns = [c for _, _, c in hellos]
         self.worker_pids = [pid for _, pid, _ in hellos]
 
+    def _dead_worker(self, timeout_s: float) -> str | None:
+        import ray
+
+        done, _ = ray.wait(self._refs, timeout=timeout_s)
+        if not done:
+            return None
+        rank = self._refs.index(done[0]) + 1
+        return (f"tensor-parallel rank {rank} (Ray actor, pid {self.worker_pids[rank - 1]}) exited: "
+                f"{_ref_error(ray, done[0])}")
+
     def _watch(self) -> None:
         threading.Thread(target=self._watcher, name="kvserve-tp-watch", daemon=True).start()
 
@@ -138,9 +148,7 @@ class RayExecutor(DistributedExecutor):
         while not self._closed:
             done, _ = ray.wait(self._refs, timeout=1.0)
             if done and not self._closed:
-                rank = self._refs.index(done[0]) + 1
-                self._mark_dead(f"tensor-parallel rank {rank} (Ray actor, pid {self.worker_pids[rank - 1]}) exited: "
-                                f"{_ref_error(ray, done[0])}")
+                self._mark_dead(self._dead_worker(0.0) or "a tensor-parallel Ray worker exited")
                 return
 
     def _stop_workers(self) -> None:

@@ -13,12 +13,25 @@ import torch
 VOCAB = 515
 
 
-def save_tiny(path: Path, arch: str = "qwen2", seed: int = 0) -> Path:
-    """A random-weight ``qwen2`` (QKV biases, untied head) or ``llama`` (tied embeddings) as an HF folder."""
+def save_tiny(path: Path, arch: str = "qwen2", seed: int = 0, tokenizer_of: str | None = None) -> Path:
+    """A random-weight ``qwen2`` (QKV biases, untied head) or ``llama`` (tied embeddings) as an HF folder.
+
+    Args:
+        tokenizer_of: a catalog model whose tokenizer is saved with it (its vocabulary size then replaces
+            ``VOCAB``), so that text prompts work; None: no tokenizer (prompts must be token ids).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    vocab = VOCAB
+    if tokenizer_of is not None:
+        from kvserve.models.catalog import resolve_model_path
+        from kvserve.models.loader import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(resolve_model_path(tokenizer_of))
+        tokenizer.save_pretrained(path)
+        vocab = len(tokenizer)
     torch.manual_seed(seed)
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rope_theta=10000.0)
     hf: torch.nn.Module
     if arch == "qwen2":
