@@ -95,8 +95,11 @@ def start_ray(address: str | None, num_cpus: float) -> bool:
                      object_store_memory=_OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                      logging_level=logging.WARNING)
             return True
-        except (ray.exceptions.RaySystemError, ConnectionError) as e:
+        except Exception as e:
             # NOTE: on a loaded host the driver's first GCS call can pass its deadline while the GCS starts
+            # (RaySystemError, ConnectionError), or the raylet its own ("timed out during startup", a bare Exception)
+            if not isinstance(e, ray.exceptions.RaySystemError | ConnectionError) and "timed out" not in str(e):
+                raise
             ray.shutdown()
             if attempt + 1 == _LOCAL_START_TRIES:
                 raise
