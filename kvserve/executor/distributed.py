@@ -50,6 +50,8 @@ STARTUP_TIMEOUT_S = 600.0
 # Longest wait for a worker's answer to a call after start-up (the prefill probe).
 CALL_TIMEOUT_S = 300.0
 _STOP_TIMEOUT_S = 10.0
+_START_HINT = (" (its error is in the log above; a script that starts the engine must do so under "
+               "`if __name__ == \"__main__\":`, since each worker process imports the script as it starts)")
 
 
 class DistributedExecutor(Executor):
@@ -86,7 +88,7 @@ class DistributedExecutor(Executor):
     def _await_hellos(self) -> None:
         """Every worker's ``("hello", rank, pid)``: it runs and is about to join the process group."""
         for rank, conn in enumerate(self.conns, start=1):
-            kind, got, pid = self._recv(conn, rank, STARTUP_TIMEOUT_S, "start")
+            kind, got, pid = self._recv(conn, rank, STARTUP_TIMEOUT_S, "start", _START_HINT)
             assert kind == "hello" and got == rank, (kind, got)
             self.worker_pids.append(pid)
 
@@ -158,9 +160,9 @@ class DistributedExecutor(Executor):
             except OSError as e:
                 raise self._die(f"tensor-parallel rank {rank} is gone ({type(e).__name__}: {e})") from None
 
-    def _recv(self, conn: Connection, rank: int, timeout_s: float, what: str) -> Any:
+    def _recv(self, conn: Connection, rank: int, timeout_s: float, what: str, hint: str = "") -> Any:
         """The next message of ``rank`` (an ``("error", text)`` or a closed connection raises), within
-        ``timeout_s``.
+        ``timeout_s``; ``hint`` is added to the error of a worker that died without a word.
 
         Raises:
             ExecutorDeadError: the worker failed, died or did not answer in time (``what`` says at what).
@@ -175,7 +177,7 @@ class DistributedExecutor(Executor):
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             raise self._die(f"tensor-parallel rank {rank} died before it could {what}"
-                            f"{self._exit_note(rank)}") from None
+                            f"{self._exit_note(rank)}{hint}") from None
         if msg[0] == "error":
             raise self._die(str(msg[1]))
         return msg
