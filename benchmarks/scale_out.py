@@ -240,7 +240,8 @@ def _tp_decode_ms(llm: Any, batch: int, steps: int, prompt_len: int, rng: random
     from kvserve import SamplingParams
 
     engine = llm.engine
-    sp = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0)
+    # enough tokens for the first request to outlast the others' prefills and the timed steps (then all aborted)
+    sp = SamplingParams(max_tokens=steps + 2 * batch * prompt_len // 512 + 8, ignore_eos=True, temperature=0)
     ids = [engine.add_request(None, [rng.randint(1000, 30000) for _ in range(prompt_len)], sp) for _ in range(batch)]
     while any(engine.scheduler.requests[i].num_output_tokens < 2 for i in ids):  # prefills, one decode
         engine.step()

@@ -228,8 +228,9 @@ class LLMEngine:
         try:
             self._setup(config)
         except BaseException:
-            if self._launching is not None:  # tensor-parallel workers already started: stop them
-                self._launching.shutdown()
+            executor = self._launching or getattr(self, "executor", None)
+            if executor is not None:  # tensor-parallel workers already started: stop them
+                executor.shutdown()
             raise
 
     def _setup(self, config: EngineConfig) -> None:

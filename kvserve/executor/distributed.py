@@ -72,7 +72,6 @@ class DistributedExecutor(Executor):
         self._encoder = StepEncoder()
         self._dead: str | None = None
         self._closed = False
-        self._ready: list[int] | None = None
         # native ids of the threads rank 0 computed in (pinned to rank 0's CPUs) -> their CPUs before
         self._pinned: dict[int, set[int]] = {}
         self._lock = threading.Lock()
@@ -130,8 +129,7 @@ class DistributedExecutor(Executor):
             raise self._die(self._failure(e, "step")) from e
 
     def measure_prefill_speed(self, num_tokens: int) -> float:
-        self.check_health()
-        self._pin_driver_thread()
+        self.check_health()  # (not pinned: the engine is built in a short-lived thread)
         self._broadcast(pickle.dumps(("measure_prefill_speed", num_tokens)))
         try:
             speed = self.driver.measure_prefill_speed(num_tokens)

@@ -118,3 +118,54 @@ def test_a_worker_killed_while_idle_is_noticed_before_the_next_request(model: Pa
         llm.generate([[1, 2, 3]], sp, use_tqdm=False)
     llm.engine.close()
     assert _engine_children() - before == set()
+
+
+def test_workers_exit_when_the_engine_process_is_killed(model: Path) -> None:
+    env = {**os.environ, "TP_FAULT": "parent", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(model)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        m = re.match(r"WORKERS \[(\d+)\]", line)
+        assert m, line
+        worker = int(m.group(1))
+        assert alive(worker)
+        proc.kill()  # SIGKILL: no exit handler runs; the worker sees its pipe close
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(worker), "the worker outlived the engine process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+class _FailOn:
+    """A logits processor that raises for requests whose first prompt token is ``token`` (rank 0 only, after the
+    step's collectives)."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, logits: object, requests: list[object]) -> None:
+        if any(r.prompt_token_ids[0] == self.token for r in requests):  # type: ignore[attr-defined]
+            raise ValueError("injected: a logits processor fails")
+
+    def release(self, request_ids: object) -> None:
+        pass
+
+
+def test_a_rank_0_failure_after_the_collectives_fails_only_that_step(model: Path) -> None:
+    llm = LLM(str(model), skip_tokenizer_init=True, dtype="float32", num_threads=1, tensor_parallel_size=2,
+              kv_cache_memory=0.01)
+    llm.engine.runner.logits_processors.add(_FailOn(7))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    bad = llm.generate([[7, 8, 9]], sp, use_tqdm=False)[0]
+    assert bad.outputs[0].finish_reason == "error" and "injected: a logits processor fails" in (bad.error or "")
+    good = llm.generate([[1, 2, 3], [4, 5]], sp, use_tqdm=False)  # the ranks are still in step
+    assert [len(o.outputs[0].token_ids) for o in good] == [6, 6] and llm.engine.dead_error is None
+    one = LLM(str(model), skip_tokenizer_init=True, dtype="float32", num_threads=1, kv_cache_memory=0.01)
+    assert [o.outputs[0].token_ids for o in good] == [o.outputs[0].token_ids
+                                                      for o in one.generate([[1, 2, 3], [4, 5]], sp, use_tqdm=False)]
+    llm.engine.close()

@@ -1,6 +1,7 @@
 """``kvserve serve --tensor-parallel-size 2`` as a subprocess: completions and a stream equal one process's greedy
-text, and a worker SIGKILLed mid-stream ends that stream with an OpenAI error event, stops the server (exit code
-1) and leaves no process behind."""
+text (a stop string and a seeded choice constraint too: rank 0 applies them to the gathered logits), and a worker
+SIGKILLed mid-stream ends that stream with an OpenAI error event, stops the server (exit code 1) and leaves no
+process behind."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.structured.params import StructuredOutputsParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -41,6 +43,14 @@ def test_served_completions_stream_and_a_dead_worker(model: Path) -> None:
     expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                                 use_tqdm=False)[0].outputs[0].text
     assert expected
+    stop = expected[len(expected) // 2:][:3]  # a stop string that starts mid-output
+    choices = ["red", "green", "blue"]
+    constrained = {"temperature": 0.9, "seed": 3, "max_tokens": 8, "ignore_eos": False,
+                   "structured_outputs": {"choice": choices}}
+    picked = offline.generate([PROMPT], SamplingParams(temperature=0.9, seed=3, max_tokens=8,
+                                                       structured_outputs=StructuredOutputsParams(choice=choices)),
+                              use_tqdm=False)[0].outputs[0].text
+    assert picked in choices
     server = Server("--dtype", "float32", "--tensor-parallel-size", "2", "--kv-cache-memory", "0.01",
                     positional_model=str(model))
     try:
@@ -55,6 +65,11 @@ def test_served_completions_stream_and_a_dead_worker(model: Path) -> None:
             events = sse_events(s.iter_lines())
         assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 12
         assert "".join(e["choices"][0]["text"] for e in events[:-2]) == expected
+        # on rank 0, on the gathered logits: stop strings, a grammar (a choice), seeded sampling
+        r = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop]}, timeout=60)
+        assert r.json()["choices"][0]["text"] == expected[:expected.index(stop)], r.text
+        r = httpx.post(server.url + "/v1/completions", json={**body, **constrained}, timeout=60)
+        assert r.json()["choices"][0]["text"] == picked, r.text
         # a long stream; its worker dies after the first events
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={**body, "max_tokens": 200, "stream": True}) as s:

@@ -1,9 +1,10 @@
 """Start a tensor-parallel engine (size 2) whose worker fails, for test_tp_failures.py; prints what the parent saw.
 
-    python tp_fault_script.py MODEL_DIR load|step
+    TP_FAULT=load|step|parent python tp_fault_script.py MODEL_DIR
 
 The spawned worker imports this file as ``__mp_main__`` (``multiprocessing``'s spawn does that), so the patch
 below runs in the worker only: ``load`` makes its shard fail to load, ``step`` makes its third step raise.
+``parent``: the engine starts, prints its worker's pid and waits (for the test to kill this process).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def main() -> int:
     from kvserve import LLM, SamplingParams
 
     t0 = time.monotonic()
+    if FAULT == "parent":  # start, say the worker's pid, then wait to be killed
+        llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", num_threads=1, tensor_parallel_size=2,
+                  kv_cache_memory=0.01)
+        print("WORKERS", llm.engine.executor.worker_pids, flush=True)  # type: ignore[attr-defined]
+        time.sleep(600)
     try:
         llm = LLM(sys.argv[1], skip_tokenizer_init=True, dtype="float32", num_threads=1, tensor_parallel_size=2,
                   kv_cache_memory=0.01)
