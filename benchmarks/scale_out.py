@@ -9,6 +9,15 @@ What and why
   workload A (``vs_peers.make_workload("mixed")``: prompts of 50-800 random ids, outputs of 16-256 tokens;
   greedy, ``ignore_eos``), closed loop at concurrency 16 and 64. Two 1-thread engines batch half the
   requests each and pay no OpenMP synchronisation; one 2-thread engine batches all and splits each matmul.
+* ``tp``: tensor parallelism on one host, offline engines (no HTTP, token-id prompts, prefix caching off):
+  ``--tensor-parallel-size 2 --num-threads 1`` (two ranks of one thread, gloo all-reduces between layers) against
+  ``--num-threads 2`` (one process), on ``--tp-model`` (Qwen2.5-Coder-0.5B: 14 / 2 heads split in two; SmolLM2's
+  9 / 3 do not). Per round and setup: the decode step at batch 1 and 32 (median ms of ``--tp-decode-steps`` steps,
+  ``--tp-prompt-len`` tokens of context), and prefill tok/s (``--tp-prefill-prompts`` prompts of
+  ``--tp-prefill-len`` tokens, one output token, 512-token steps). One process's decode is also timed on its
+  per-layer path (``fuse_decode`` off): the path a rank takes (the fused ``decode_step.c`` has no collectives),
+  which separates the all-reduces' cost from the fused kernel's gain. Setups alternate within each round; each
+  engine is driven from its own thread (its own OpenMP team; rank 0 pins that thread to its CPU).
 * ``tenants``: 8 system prompts (``--system-tokens`` random ids each) x 16 requests (each the system prompt +
   40 random ids, 16 output tokens), interleaved in a seeded random order, concurrency 4, on the DP=2
   deployment with ``--policy cache-aware`` and with ``--policy round-robin``. Each replica's KV cache holds
@@ -24,6 +33,7 @@ Usage::
 
     .venv/bin/python benchmarks/scale_out.py                              # both parts
     .venv/bin/python benchmarks/scale_out.py --parts tenants --num-prompts 32
+    .venv/bin/python benchmarks/scale_out.py --parts tp --tp-rounds 5             # tensor parallelism only
 """
 
 from __future__ import annotations
@@ -217,9 +227,117 @@ def part_tenants(args: argparse.Namespace, records: list[dict[str, Any]]) -> Non
             srv.stop()
 
 
+def _tp_engine(args: argparse.Namespace, tp: int, threads: int) -> Any:
+    from kvserve import LLM
+
+    return LLM(args.tp_model, dtype=args.dtype, skip_tokenizer_init=True, tensor_parallel_size=tp,
+               num_threads=threads, kv_cache_memory=args.tp_kv_gib, max_num_batched_tokens=512,
+               enable_prefix_caching=False, preemption_mode="recompute", max_num_seqs=64, seed=args.seed)
+
+
+def _tp_decode_ms(llm: Any, batch: int, steps: int, prompt_len: int, rng: random.Random) -> float:
+    """Median ms of one engine step while ``batch`` requests decode (their prompts prefilled first)."""
+    from kvserve import SamplingParams
+
+    engine = llm.engine
+    # enough tokens for the first request to outlast the others' prefills and the timed steps (then all aborted)
+    sp = SamplingParams(max_tokens=steps + 2 * batch * prompt_len // 512 + 8, ignore_eos=True, temperature=0)
+    ids = [engine.add_request(None, [rng.randint(1000, 30000) for _ in range(prompt_len)], sp) for _ in range(batch)]
+    while any(engine.scheduler.requests[i].num_output_tokens < 2 for i in ids):  # prefills, one decode
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    engine.abort_request(ids)
+    engine.step()  # (reports the aborted ids to the runner)
+    times.sort()
+    return round(1000 * times[len(times) // 2], 2)
+
+
+def _tp_prefill_tok_s(llm: Any, n: int, length: int, rng: random.Random) -> float:
+    from kvserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": [rng.randint(1000, 30000) for _ in range(length)]} for _ in range(n)]
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    return round(n * length / (time.perf_counter() - t0), 1)
+
+
+def _tp_measure(args: argparse.Namespace, llm: Any, setup: str, rnd: int) -> list[dict[str, Any]]:
+    """One round of one setup, in the calling thread (the engine's own)."""
+    import torch
+
+    torch.set_num_threads(llm.engine.num_threads)
+    rng = random.Random(args.seed * 1000 + rnd)
+    model = llm.engine.runner.model
+    fused = [True, False] if llm.engine.executor.world_size == 1 else [False]
+    out = []
+    for fuse in fused:
+        model.fuse_decode = fuse
+        label = setup if fuse or len(fused) == 1 else f"{setup}, per-layer decode"
+        for batch in (1, 32):
+            tree0 = server_cpu_s(os.getpid())
+            with Contention() as con:
+                ms = _tp_decode_ms(llm, batch, args.tp_decode_steps, args.tp_prompt_len, rng)
+            tree = server_cpu_s(os.getpid()) - tree0
+            out.append(_tp_record(label, rnd, f"decode b={batch}", ms, "ms/step", con, tree))
+    model.fuse_decode = True
+    tree0 = server_cpu_s(os.getpid())
+    with Contention() as con:
+        tok_s = _tp_prefill_tok_s(llm, args.tp_prefill_prompts, args.tp_prefill_len, rng)
+    out.append(_tp_record(setup, rnd, "prefill", tok_s, "tok/s", con, server_cpu_s(os.getpid()) - tree0))
+    return out
+
+
+def _tp_record(setup: str, rnd: int, what: str, value: float, unit: str, con: Contention, tree_cpu: float
+               ) -> dict[str, Any]:
+    """A measurement; ``other_cpu_frac`` leaves out this process tree's CPU (the tensor-parallel worker's too)."""
+    d = con.as_dict()
+    other = max(con.other_cpu - (tree_cpu - con.self_cpu), 0.0)
+    return {"part": "tp", "setup": setup, "round": rnd, "what": what, "value": value, "unit": unit,
+            **d, "tree_cpu_s": round(tree_cpu, 2),
+            "other_cpu_frac": round(other / (con.wall_s * (os.cpu_count() or 1)), 4)}
+
+
+def part_tp(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    setups = [("TP=1 x2 threads", 1, 2), ("TP=2 x1 thread", 2, 1)]
+    pools = {name: ThreadPoolExecutor(1, thread_name_prefix=name) for name, _, _ in setups}
+    engines = {name: pools[name].submit(_tp_engine, args, tp, threads).result() for name, tp, threads in setups}
+    try:
+        for rnd in range(args.tp_rounds):
+            for name, _, _ in setups if rnd % 2 == 0 else setups[::-1]:
+                for rec in pools[name].submit(_tp_measure, args, engines[name], name, rnd).result():
+                    records.append(rec)
+                    print(f"  round {rnd} {rec['setup']}: {rec['what']} {rec['value']} {rec['unit']} "
+                          f"(other_cpu_frac {rec['other_cpu_frac']})", flush=True)
+    finally:
+        for name in engines:
+            pools[name].submit(engines[name].engine.close).result()
+            pools[name].shutdown()
+
+
+def _tp_table(records: list[dict[str, Any]]) -> str:
+    """Median over rounds per setup and measurement; the worst other_cpu_frac of its rounds."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        if r["part"] == "tp":
+            groups.setdefault((r["setup"], r["what"]), []).append(r)
+    rows = []
+    for (setup, what), rs in groups.items():
+        values = sorted(r["value"] for r in rs)
+        worst = max(r["other_cpu_frac"] for r in rs)
+        rows.append([setup, what, values[len(values) // 2], rs[0]["unit"], len(rs),
+                     f"{worst}{'*' if worst > 0.05 else ''}"])
+    return table(rows, ["setup", "measure", "median", "unit", "rounds", "max other_cpu_frac"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="dp,tenants", help="dp, tenants or both (default)")
+    p.add_argument("--parts", default="dp,tenants", help="comma-separated: dp, tenants (default: both), tp")
     p.add_argument("--num-prompts", type=int, default=64, help="workload A requests per run (default 64)")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
     p.add_argument("--per-tenant", type=int, default=16, help="requests per system prompt (default 16)")
@@ -231,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="", help="more kvserve serve flags for every server")
     p.add_argument("--out", default=None, help="JSON path (default results/scale_out-<time>.json)")
+    p.add_argument("--tp-model", default="qwen2.5-coder-0.5b-instruct", help="model of the tp part")
+    p.add_argument("--tp-rounds", type=int, default=3, help="alternating rounds of the tp part (default 3)")
+    p.add_argument("--tp-decode-steps", type=int, default=20, help="decode steps timed per batch size (default 20)")
+    p.add_argument("--tp-prompt-len", type=int, default=256, help="context tokens of each decoding request")
+    p.add_argument("--tp-prefill-prompts", type=int, default=4, help="prompts of the prefill measurement")
+    p.add_argument("--tp-prefill-len", type=int, default=512, help="tokens of each prefill prompt")
+    p.add_argument("--tp-kv-gib", type=float, default=1.0, help="--kv-cache-memory of the tp engines (per rank)")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
     records: list[dict[str, Any]] = []
@@ -240,11 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     if "tenants" in parts:
         print("multi-tenant shared prefixes: cache-aware vs round-robin (DP=2)", flush=True)
         part_tenants(args, records)
+    if "tp" in parts:
+        print(f"tensor parallelism on {args.tp_model}: TP=2 x 1 thread vs TP=1 x 2 threads", flush=True)
+        part_tp(args, records)
+        print(_tp_table(records))
     rows = [[r["part"], r["setup"], r["concurrency"], f"{r['completed']}/{r['completed'] + r['failed']}",
              r["output_tok_s"], r["ttft_ms"][50], r["ttft_ms"][99], r["hit_rate"], r["wall_s"],
-             f"{r['other_cpu_frac']}{_mark(r)}"] for r in records]
-    print(table(rows, ["part", "setup", "c", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "hit rate", "wall s",
-                       "other_cpu_frac"]))
+             f"{r['other_cpu_frac']}{_mark(r)}"] for r in records if r["part"] != "tp"]
+    if rows:
+        print(table(rows, ["part", "setup", "c", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "hit rate",
+                           "wall s", "other_cpu_frac"]))
     result = {"benchmark": "scale_out", "machine": machine_info(), "note": "shared 2-core host",
               "args": {k: v for k, v in vars(args).items()}, "records": records}
     print("wrote", write_result("scale_out", result, args.out))

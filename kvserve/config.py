@@ -96,6 +96,12 @@ class EngineConfig:
             ``spec_decode.config.SpeculativeConfig``. None: off.
         kv_transfer_config: prefill/decode disaggregation, vLLM's JSON object (text or dict), parsed into a
             ``disagg.config.KVTransferConfig``. None: off.
+        tensor_parallel_size: ranks the model is split over (docs/distributed.md): each holds its share of the
+            attention heads (and of their KV cache), of the MLP and of the vocabulary; gloo on CPU, NCCL on CUDA
+            (one GPU per rank). ``num_threads`` and ``kv_cache_memory`` are per rank. Refused with
+            ``quantization``, ``speculative_config``, the KV offload tiers and ``kv_transfer_config``.
+        distributed_executor_backend: what runs ranks 1..N-1: ``mp`` (child processes; the default) or ``ray``
+            (Ray actors on a local cluster, or the one ``--ray-address`` names). Rank 0 runs in the engine process.
     """
 
     model: str = DEFAULT_MODEL
@@ -134,6 +140,8 @@ class EngineConfig:
     kv_offload_redis_timeout: float = 0.2
     kv_offload_publish: bool = True
     kv_transfer_config: KVTransferConfig | str | dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
@@ -176,6 +184,23 @@ class EngineConfig:
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be fcfs or priority, got {self.scheduling_policy!r}")
         _require(self.max_logprobs >= -1, "max_logprobs", f"must be >= 0 or -1 (no limit), got {self.max_logprobs}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """``tensor_parallel_size`` in range and not combined with what cannot run sharded yet (both flags named)."""
+        tp = self.tensor_parallel_size
+        _require(tp >= 1, "tensor_parallel_size", f"must be >= 1, got {tp}")
+        _require(self.distributed_executor_backend in (None, "mp", "ray"), "distributed_executor_backend",
+                 f"must be mp or ray, got {self.distributed_executor_backend!r}")
+        if tp == 1:
+            return
+        refused = [("quantization", self.quantization is not None, f"--quantization {self.quantization}"),
+                   ("speculative_config", self.speculative_config is not None, "--speculative-config"),
+                   ("kv_offload", self.kv_offload().enabled, "the KV offload tiers (--kv-offload-*)"),
+                   ("kv_transfer_config", self.kv_transfer_config is not None, "--kv-transfer-config")]
+        for name, on, flag in refused:
+            _require(not on, "tensor_parallel_size", f"--tensor-parallel-size {tp} cannot be combined with {flag} "
+                     f"({name}) yet; use --tensor-parallel-size 1 or leave {flag} out")
 
     # ---- CLI -----------------------------------------------------------------------------------
     @staticmethod
@@ -206,7 +231,9 @@ class EngineConfig:
                             "--max-model-len with --no-enable-chunked-prefill)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill)
-        g.add_argument("--num-threads", type=int, default=None, help="torch threads (CPU)")
+        g.add_argument("--num-threads", type=int, default=None,
+                       help="torch threads (CPU); per rank with --tensor-parallel-size (default there: the CPUs / "
+                            "ranks)")
         g.add_argument("--cpu-threads-bind", default=d.cpu_threads_bind,
                        help="pin the compute threads to CPUs: auto (when they use every CPU), none, or a list "
                             "like 0-3 (as vLLM's VLLM_CPU_OMP_THREADS_BIND)")
@@ -242,6 +269,13 @@ class EngineConfig:
                        help="seconds per Redis call before it counts as a miss")
         o.add_argument("--kv-offload-publish", action=argparse.BooleanOptionalAction, default=d.kv_offload_publish,
                        help="publish blocks computed here to Redis (--no-kv-offload-publish: read-only)")
+        p = parser.add_argument_group("tensor parallel")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="ranks the model is split over (heads, MLP, vocabulary; gloo on CPU, NCCL on CUDA); "
+                            "--num-threads and --kv-cache-memory are per rank")
+        p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                       help="what runs the ranks (and data-parallel replicas): mp (processes; the default for "
+                            "tensor parallelism) or ray (actors; the default for --data-parallel-size > 1)")
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                             '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": '

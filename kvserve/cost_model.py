@@ -360,3 +360,52 @@ def concurrency_gain(dtype_bytes_from: int, dtype_bytes_to: int) -> float:
     _positive("dtype_bytes_from", dtype_bytes_from)
     _positive("dtype_bytes_to", dtype_bytes_to)
     return dtype_bytes_from / dtype_bytes_to
+
+
+# ---- Tensor parallelism (docs/distributed.md, "Tensor parallelism") ----------------------------------------
+def tp_allreduce_bytes_per_step(num_layers: int, hidden_size: int, num_tokens: int, act_bytes: int) -> int:
+    """Bytes all-reduced in one step at tensor parallelism: ``(2 L + 1) × tokens × hidden × act_bytes`` (the
+    attention output and the MLP output of every layer, and the vocabulary-parallel embedding's lookup).
+
+    E.g. Qwen2.5-Coder-0.5B (24 layers, hidden 896) in float32 at batch 1: 49 × 896 × 4 = 175,616 bytes.
+
+    Raises:
+        ValueError: a non-positive argument.
+    """
+    for name, v in (("num_layers", num_layers), ("hidden_size", hidden_size), ("num_tokens", num_tokens),
+                    ("act_bytes", act_bytes)):
+        _positive(name, v)
+    return (2 * num_layers + 1) * num_tokens * hidden_size * act_bytes
+
+
+def tp_link_bytes_per_step(allreduce_bytes: int, vocab_size: int, num_sampled: int, size: int) -> float:
+    """Bytes rank 0 moves over its link in one step at ``size`` ranks: a ring all-reduce sends and receives
+    ``2 (N − 1) / N`` of each payload, and rank 0 receives the other ranks' float32 logit shards of the sampled
+    rows, ``(N − 1) × rows × ceil(V / N) × 4``. 0 at ``size`` 1.
+
+    Raises:
+        ValueError: ``size`` < 1 or negative sizes.
+    """
+    _positive("size", size)
+    _non_negative("allreduce_bytes", allreduce_bytes)
+    _non_negative("num_sampled", num_sampled)
+    gather = (size - 1) * num_sampled * -(-vocab_size // size) * 4
+    return 2 * (size - 1) / size * allreduce_bytes + gather
+
+
+def tp_decode_step_s(weight_bytes: float, kv_bytes_total: float, bandwidth_bytes_per_s: float, size: int,
+                     link_bytes: float, link_bytes_per_s: float, num_collectives: int, latency_s: float) -> float:
+    """Lower bound of a decode step at ``size`` ranks: each rank reads its ``1 / N`` of the weights and the KV at
+    ``bandwidth_bytes_per_s`` (per rank: a GPU's own memory; ranks sharing one CPU socket share its bandwidth,
+    so pass ``bandwidth / N``), then the collectives: ``link_bytes / link_bytes_per_s + num_collectives ×
+    latency_s``. At ``size`` 1 (no collectives) it is ``decode_step_lower_bound_s``.
+
+    Raises:
+        ValueError: non-positive bandwidths or size, negative bytes or latency.
+    """
+    _positive("size", size)
+    _positive("link_bytes_per_s", link_bytes_per_s)
+    _non_negative("link_bytes", link_bytes)
+    _non_negative("latency_s", latency_s)
+    compute = decode_step_lower_bound_s(weight_bytes / size, kv_bytes_total / size, bandwidth_bytes_per_s)
+    return compute + link_bytes / link_bytes_per_s + num_collectives * latency_s

@@ -41,3 +41,7 @@ class EngineDeadError(KVServeError, RuntimeError):
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+class ExecutorDeadError(EngineDeadError):
+    """A tensor-parallel worker died, or the ranks fell out of step; the engine cannot go on (HTTP 503)."""

@@ -35,8 +35,7 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data parallel")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas, each with its own KV cache and --num-threads threads (default 1)")
-    g.add_argument("--distributed-executor-backend", choices=BACKENDS, default=None,
-                   help="where replicas run: ray (Ray actors; the default with --data-parallel-size > 1)")
+    # (--distributed-executor-backend is an engine flag: EngineConfig.add_cli_args)
     g.add_argument("--ray-address", default=None,
                    help="a Ray cluster to join (HOST:PORT of its head); default: start a local one on 127.0.0.1")
     g.add_argument("--data-parallel-placement", choices=list(PLACEMENTS), default="spread",
@@ -50,11 +49,16 @@ def check_data_parallel_args(args: argparse.Namespace) -> bool:
     """Whether ``args`` ask for data parallelism.
 
     Raises:
-        InvalidRequestError: a size < 1, or ``mp`` with a size > 1 (replicas run on Ray only).
+        InvalidRequestError: a size < 1, ``mp`` with a size > 1 (replicas run on Ray only), or a size > 1 with
+            ``--tensor-parallel-size`` > 1.
     """
     n = args.data_parallel_size
     if n < 1:
         raise InvalidRequestError(f"data_parallel_size: must be >= 1, got {n}", param="data_parallel_size")
+    if n > 1 and getattr(args, "tensor_parallel_size", 1) > 1:
+        raise InvalidRequestError("data_parallel_size: --data-parallel-size > 1 with --tensor-parallel-size > 1 is "
+                                  "not supported yet (run tensor-parallel servers yourself behind kvserve router)",
+                                  param="data_parallel_size")
     if n > 1 and args.distributed_executor_backend == "mp":
         raise InvalidRequestError("distributed_executor_backend: data-parallel replicas run as Ray actors; use "
                                   "ray (or kvserve router over servers you start)",
@@ -91,8 +95,11 @@ def start_ray(address: str | None, num_cpus: float) -> bool:
                      object_store_memory=_OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                      logging_level=logging.WARNING)
             return True
-        except (ray.exceptions.RaySystemError, ConnectionError) as e:
+        except Exception as e:
             # NOTE: on a loaded host the driver's first GCS call can pass its deadline while the GCS starts
+            # (RaySystemError, ConnectionError), or the raylet its own ("timed out during startup", a bare Exception)
+            if not isinstance(e, ray.exceptions.RaySystemError | ConnectionError) and "timed out" not in str(e):
+                raise
             ray.shutdown()
             if attempt + 1 == _LOCAL_START_TRIES:
                 raise

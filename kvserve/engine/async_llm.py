@@ -27,10 +27,11 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvserve.errors import EngineDeadError, KVServeError
+from kvserve.errors import EngineDeadError, ExecutorDeadError, KVServeError
 from kvserve.metrics import EngineMetrics
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -200,7 +201,9 @@ class AsyncLLM:
         if lockstep is None:
             device = getattr(getattr(engine, "device", None), "type", None)
             threads = getattr(engine, "num_threads", None)
-            lockstep = device == "cpu" and threads is not None and threads >= len(os.sched_getaffinity(0))
+            # (tensor parallelism: every rank's threads compute at once)
+            ranks = getattr(getattr(engine, "executor", None), "world_size", 1)
+            lockstep = device == "cpu" and threads is not None and threads * ranks >= len(os.sched_getaffinity(0))
         self.lockstep = lockstep
         self._delivered = threading.Event()
         name = engine.config.served_model_name or engine.config.model
@@ -215,6 +218,8 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}  # event loop thread only
         self._live: set[str] = set()  # loop thread only: ids inside the engine
         self._ids = itertools.count()
+        # Called (in the event loop) when the loop died because a tensor-parallel rank died: the server stops.
+        self.on_executor_dead: Callable[[], None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -329,6 +334,9 @@ class AsyncLLM:
         connector = getattr(engine, "connector", None)
         if connector is not None:
             connector.wakeup = self._wake
+        executor = getattr(engine, "executor", None)
+        if executor is not None:
+            executor.wakeup = self._wake  # a tensor-parallel rank that dies while the engine is idle
         try:
             while True:
                 with self._cond:
@@ -356,6 +364,9 @@ class AsyncLLM:
                     self._call_soon(self._deliver, outputs)
                     if self.lockstep:
                         self._delivered.wait(_DELIVERY_WAIT_S)
+                dead = getattr(engine, "dead_error", None)
+                if dead is not None:  # a tensor-parallel rank died: its requests got their errors above
+                    raise dead
                 self._update_gauges()
                 if not outputs and engine.scheduler.num_running == 0 and engine.scheduler.num_waiting > 0:
                     with self._cond:  # nothing could be scheduled: do not spin until something changes
@@ -365,6 +376,8 @@ class AsyncLLM:
             with self._cond:
                 self._dead = EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}")
             self._call_soon(self._fail_all, self._dead)
+            if isinstance(e, ExecutorDeadError) and self.on_executor_dead is not None:
+                self._call_soon(self.on_executor_dead)
 
     def _wake(self) -> None:
         """Wake the loop thread (called from other threads, e.g. the KV connector's server)."""

@@ -30,7 +30,9 @@ from kvserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobsChunk
 from kvserve.disagg.config import KVTransferConfig
 from kvserve.disagg.protocol import RemoteDecode, RemotePrefill, parse_transfer_params
 from kvserve.engine.generation_config import load_generation_defaults
-from kvserve.errors import InvalidRequestError, PromptTooLongError
+from kvserve.errors import ExecutorDeadError, InvalidRequestError, PromptTooLongError
+from kvserve.executor.base import Executor, UniProcExecutor
+from kvserve.executor.launch import start_distributed_executor
 from kvserve.kv_offload.config import build_tiers
 from kvserve.kv_offload.manager import OffloadManager
 from kvserve.kv_offload.tier import BlockMeta
@@ -40,6 +42,7 @@ from kvserve.models.catalog import resolve_model_path
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_gguf_blocks, load_weights
 from kvserve.models.registry import ModelArchConfig
+from kvserve.models.tp_shard import shard_arch
 from kvserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from kvserve.sample.token_constraints import prepare_token_constraints
 from kvserve.sampling_params import SamplingParams
@@ -52,17 +55,17 @@ from kvserve.structured.processor import StructuredOutputProcessor
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 from kvserve.tokenizer.tokenizer import Tokenizer
 from kvserve.worker.kv_cache import (
-    GiB,
     allocate_host_swap_pool,
     allocate_kv_cache,
     block_bytes,
-    num_blocks_for_budget,
+    num_device_blocks,
     num_host_blocks_for,
 )
 from kvserve.worker.model_runner import ModelRunner, build_model
 
 if TYPE_CHECKING:
     from kvserve.disagg.connector import ZmqConnector
+    from kvserve.executor.distributed import DistributedExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -237,14 +240,29 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        self._launching: DistributedExecutor | None = None
+        try:
+            self._setup(config)
+        except BaseException:
+            executor = self._launching or getattr(self, "executor", None)
+            if executor is not None:  # tensor-parallel workers already started: stop them
+                executor.shutdown()
+            raise
+
+    def _setup(self, config: EngineConfig) -> None:
         self.config = config
+        tp_size = config.tensor_parallel_size
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        elif tp_size > 1:  # threads per rank: the CPUs shared out
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // tp_size))
         # The intra-op threads the engine computes with; a thread that later drives it sets the same
         # (OpenMP's thread count is per calling thread; see AsyncLLM).
         self.num_threads = torch.get_num_threads()
         torch.manual_seed(config.seed)
         self.device, self.dtype = resolve_device_dtype(config)
+        if tp_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", 0)  # rank r computes on cuda:r
         self.compute_dtype = compute_dtype_for(self.dtype, self.device)
         if self.compute_dtype != self.dtype:
             logger.info("%s weights with %s activations: CPU %s has no native bf16 dot products", self.dtype,
@@ -258,6 +276,8 @@ class LLMEngine:
         arch, weights = (load_gguf_blocks(self.model_path) if self.quantization == "gguf"
                          else load_weights(self.model_path))
         self.arch = arch
+        # What one rank holds (the whole model without tensor parallelism): its heads' KV sizes the cache.
+        self.shard_arch = shard_arch(arch, tp_size)  # (refuses a size that splits a head, before any worker starts)
         self.max_model_len = config.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
             raise InvalidRequestError(
@@ -274,8 +294,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_model_len "
                 f"({self.max_model_len}) when chunked prefill is off", param="max_num_batched_tokens")
+        if tp_size > 1:
+            self._launching = start_distributed_executor(config, self.device, self.dtype, self.compute_dtype,
+                                                         self.kv_dtype, self.max_model_len, self.num_threads)
+        tp = self._launching.tp if self._launching is not None else None
         model = build_model(arch, weights, self.max_model_len, self.dtype, self.device, self.compute_dtype,
-                            quantization=self.quantization)
+                            quantization=self.quantization, tp=tp)
         del weights
         self.tokenizer: Tokenizer | None = None
         if not config.skip_tokenizer_init:
@@ -283,7 +307,9 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else arch.eos_token_id
         self.spec_config: SpeculativeConfig | None = config.spec
         self.draft_model = self._load_draft_model(self.spec_config) if self.spec_config else None
-        self.num_blocks = self._num_blocks(model)
+        self.num_blocks = self._num_blocks()
+        if self._launching is not None:
+            self.num_blocks = self._launching.agree_num_blocks(self.num_blocks)
         self._fit_max_model_len_to_cache()
         self.fingerprint = model_fingerprint(self.model_path, arch, self.tokenizer, self.kv_dtype, self.dtype,
                                              self.compute_dtype, self.quantization)
@@ -291,8 +317,8 @@ class LLMEngine:
                                           config.prefix_caching_hash_algo, self.fingerprint)
         num_host_blocks = 0
         if config.preemption_mode != "recompute":
-            num_host_blocks = num_host_blocks_for(config.swap_space * self._target_kv_share(), arch, config.block_size,
-                                                  self.kv_dtype)
+            num_host_blocks = num_host_blocks_for(config.swap_space * self._target_kv_share(), self.shard_arch,
+                                                  config.block_size, self.kv_dtype)
         self.spec: SpecController | None = None
         if self.spec_config is not None:
             self.spec = SpecController(self.spec_config, self.max_num_batched_tokens)
@@ -304,6 +330,13 @@ class LLMEngine:
             self.block_manager, spec=self.spec)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, num_host_blocks,
                                   kv_dtype=self.kv_dtype)
+        # Every call that must reach all tensor-parallel ranks goes through the executor; self.runner is rank 0's.
+        self.executor: Executor = UniProcExecutor(self.runner)
+        if self._launching is not None:
+            self._launching.start(self.runner, self.num_blocks, num_host_blocks)
+            self.executor, self._launching = self._launching, None
+        # Set when a tensor-parallel rank died: every request failed, no other can be served.
+        self.dead_error: ExecutorDeadError | None = None
         if self.spec_config is not None:
             self._setup_speculation(self.spec_config, num_host_blocks)
         self.offload: OffloadManager | None = None
@@ -331,8 +364,8 @@ class LLMEngine:
         self.perf: PerfEstimates = self.scheduler.perf
         if config.preemption_mode == "auto" and num_host_blocks > 0:
             # The cost model's two speeds, measured here and then updated by every step (EMA).
-            self.perf.copy_bytes_per_s = self.runner.measure_copy_bandwidth()
-            self.perf.prefill_tokens_per_s = self.runner.measure_prefill_speed(
+            self.perf.copy_bytes_per_s = self.executor.measure_copy_bandwidth()
+            self.perf.prefill_tokens_per_s = self.executor.measure_prefill_speed(
                 min(64, self.max_num_batched_tokens, self.max_model_len))
         self.groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
@@ -406,7 +439,7 @@ class LLMEngine:
         """The target's share of KV memory (1 without a draft model; the draft's cache has as many blocks)."""
         if self.draft_model is None:
             return 1.0
-        t = block_bytes(self.arch, self.config.block_size, self.kv_dtype)
+        t = block_bytes(self.shard_arch, self.config.block_size, self.kv_dtype)
         return t / (t + block_bytes(self.draft_arch, self.config.block_size, self.kv_dtype))
 
     def _setup_speculation(self, spec: SpeculativeConfig, num_host_blocks: int) -> None:
@@ -457,19 +490,10 @@ class LLMEngine:
                        "give the cache more memory to serve longer sequences", self.max_model_len, capacity, where)
         self.max_model_len = capacity
 
-    def _num_blocks(self, model: torch.nn.Module) -> int:
-        c = self.config
-        if c.num_gpu_blocks_override is not None:
-            return c.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * c.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
-            # Reserve for activations of one full step: hidden + MLP intermediates of the token budget.
-            budget -= 8 * self.max_num_batched_tokens * self.arch.intermediate_size * self.dtype.itemsize
-            budget = min(budget, free)
-        else:
-            budget = int(c.kv_cache_memory * GiB)
-        return num_blocks_for_budget(int(budget * self._target_kv_share()), self.arch, c.block_size, self.kv_dtype)
+    def _num_blocks(self) -> int:
+        """The KV blocks this process's budget holds (under tensor parallelism: rank 0's, of its KV heads)."""
+        return num_device_blocks(self.config, self.shard_arch, self.kv_dtype, self.dtype, self.device,
+                                 self.max_num_batched_tokens, self._target_kv_share())
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -481,10 +505,11 @@ class LLMEngine:
         return self.kv_cache_capacity_tokens / self.max_model_len
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block over all layers, K and V (the draft model's cache included)."""
+        """Bytes of one KV block over all layers, K and V (the draft model's cache included); under tensor
+        parallelism one rank's share (its KV heads), which every rank copies in parallel."""
         bs = self.config.block_size
         draft = block_bytes(self.draft_arch, bs, self.kv_dtype) if self.draft_model is not None else 0
-        return block_bytes(self.arch, bs, self.kv_dtype) + draft
+        return block_bytes(self.shard_arch, bs, self.kv_dtype) + draft
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -520,6 +545,7 @@ class LLMEngine:
             PromptTooLongError: the prompt leaves no room for one output token within ``max_model_len``
                 (which never exceeds the KV cache's capacity, see ``_fit_max_model_len_to_cache``).
         """
+        self._check_alive()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise InvalidRequestError(f"request_id: {request_id!r} is already in use", param="request_id")
@@ -637,10 +663,12 @@ class LLMEngine:
 
         Returns:
             The CPUs thread 0, 1, ... were pinned to, or None when nothing was pinned (not a CPU engine, ``none``,
-            ``auto`` with fewer threads than the process's CPUs, or no native kernels to pin with).
+            ``auto`` with fewer threads than the process's CPUs, no native kernels to pin with, or tensor
+            parallelism: its executor pins every rank to CPUs of its own, docs/distributed.md).
         """
         spec = self.config.cpu_threads_bind
-        if self.device.type != "cpu" or spec == "none" or not cpu_kernels.native_available():
+        if (self.device.type != "cpu" or spec == "none" or not cpu_kernels.native_available()
+                or self.config.tensor_parallel_size > 1):
             return None
         allowed = sorted(os.sched_getaffinity(0))
         if spec == "auto":
@@ -662,8 +690,37 @@ class LLMEngine:
 
     def poll_background(self) -> None:
         """Work an idle engine still has: free the blocks pinned for decode instances that confirmed (or
-        whose ``kv_transfer_timeout_s`` passed). ``step()`` does the same; the server loop calls this."""
+        whose ``kv_transfer_timeout_s`` passed), and notice a tensor-parallel rank that died (then
+        ``dead_error`` is set and the failed requests' outputs come from the next ``step()``). ``step()`` does the
+        same; the server loop calls this."""
         self.scheduler.release_pins()
+        try:
+            self.executor.check_health()
+        except ExecutorDeadError as e:
+            self._pending += self._fail_all(e)
+
+    def _check_alive(self) -> None:
+        """Raise the engine's death (a tensor-parallel rank died) as ``ExecutorDeadError``."""
+        if self.dead_error is None:
+            try:
+                self.executor.check_health()
+            except ExecutorDeadError as e:
+                self._pending += self._fail_all(e)
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    def _fail_all(self, error: ExecutorDeadError) -> list[RequestOutput]:
+        """The executor died: finish every request with ``error`` (their outputs returned), stop the workers left;
+        from now on the engine refuses requests."""
+        self.dead_error = error
+        outputs = []
+        for group in list(self.groups.values()):
+            ids = [seq.request.request_id for seq in group.sequences]
+            for req in self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR):
+                req.error = f"{type(error).__name__}: {error}"
+            outputs.append(self._finish_group(group))
+        self.executor.shutdown()
+        return outputs
 
     def idle_wait_s(self) -> float | None:
         """How long an idle engine loop may sleep before ``poll_background`` has work (None: until woken)."""
@@ -680,8 +737,12 @@ class LLMEngine:
         engine stays usable.
         """
         outputs, self._pending = self._pending, []
+        if self.dead_error is not None:
+            return outputs
         so = self.scheduler.schedule()
         if so.is_empty and not so.blocks_to_swap_out and not so.blocks_to_offload:
+            if so.finished_request_ids:  # (the runner is skipped: its per-request state is dropped here)
+                self.executor.forget_requests(so.finished_request_ids)
             if self.offload is not None and self.offload.num_fetching:
                 self.offload.wait_fetches(0.005)  # requests wait for their blocks: sleep, don't spin
             if self.connector is not None and self.connector.num_pulling:
@@ -689,7 +750,7 @@ class LLMEngine:
             return outputs
         try:
             t0 = time.perf_counter()
-            runner_out = self.runner.execute_model(so)
+            runner_out = self.executor.execute_model(so)
             self._update_perf(so, runner_out, time.perf_counter() - t0)
             if self.spec is not None and self.runner.last_forward_tokens:
                 self.spec.target_time.observe(self.runner.last_forward_tokens, self.runner.last_forward_seconds)
@@ -698,6 +759,9 @@ class LLMEngine:
                         self.spec.draft_time.observe(n, t)
             if self.offload is not None and runner_out.offloaded:
                 self.offload.offer(runner_out.offloaded)
+        except ExecutorDeadError as e:  # a tensor-parallel rank died: nothing more can run
+            logger.error("tensor parallelism stopped (%s); failing all %d requests", e, len(self.groups))
+            return outputs + self._fail_all(e)
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("model step failed; failing its %d requests", len(so.scheduled))
             self.scheduler.recompute_swapped(so.preempted_request_ids)
@@ -845,18 +909,18 @@ class LLMEngine:
     def close(self) -> None:
         """Write the prefix blocks still on the device to the local offload tiers (so that a disk tier
         serves them after a restart), store everything queued, and close the tiers (idempotent); stop the KV
-        connector."""
+        connector; stop the tensor-parallel workers."""
         if self.connector is not None:
             self.connector.close()
-        if self.offload is None or self.offload.closed:
-            return
-        if self.offload.local:
-            cached = list(self.block_manager.cached_blocks.items())
-            for i in range(0, len(cached), 256):
-                chunk = [(b, h, True) for h, b in cached[i:i + 256]]
-                self.offload.offer(self.runner.export_blocks(chunk))
-                self.offload.flush()
-        self.offload.close()
+        if self.offload is not None and not self.offload.closed:
+            if self.offload.local:
+                cached = list(self.block_manager.cached_blocks.items())
+                for i in range(0, len(cached), 256):
+                    chunk = [(b, h, True) for h, b in cached[i:i + 256]]
+                    self.offload.offer(self.runner.export_blocks(chunk))
+                    self.offload.flush()
+            self.offload.close()
+        self.executor.shutdown()
 
     # ---- stats ---------------------------------------------------------------------------------
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from functools import cache
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +26,21 @@ from kvserve.layers.kv_quant import format_code, is_kv8
 from kvserve.layers.layernorm import RMSNorm
 from kvserve.layers.linear import Linear, small_m_max, use_native
 from kvserve.layers.rotary import RotaryEmbedding
+from kvserve.layers.vocab_parallel import VocabParallelEmbedding
 from kvserve.models.registry import ModelArchConfig
+from kvserve.models.tp_shard import vocab_shard_size
+
+if TYPE_CHECKING:
+    from kvserve.distributed.tp_group import TPGroup
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    """Self-attention over the paged KV cache. Under tensor parallelism ``cfg`` is this rank's shard
+    (``tp_shard.shard_arch``: its query and KV heads), and ``o_proj``'s partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -64,7 +73,8 @@ class Attention(nn.Module):
             v = v.view(t, self.num_kv_heads, self.head_dim)
             q, k = self.rotary(positions, q, k)
             write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        return self.o_proj(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
+        out = self.o_proj(paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale))
+        return out if self.tp is None else self.tp.all_reduce(out)  # row-parallel: sum the ranks' partial sums
 
 
 @cache
@@ -75,10 +85,13 @@ def _vector_silu() -> bool:
 
 class MLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul (prefill in bfloat16 on
-    CPU: two oneDNN GEMMs with SiLU and the product in their epilogues, ``onednn.swiglu``)."""
+    CPU: two oneDNN GEMMs with SiLU and the product in their epilogues, ``onednn.swiglu``). Under tensor
+    parallelism ``cfg.intermediate_size`` is this rank's slice, and ``down_proj``'s partial sums are
+    all-reduced."""
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.fuse_swiglu = True  # tests switch it off to compare with the reference path
@@ -89,23 +102,26 @@ class MLP(nn.Module):
                 and onednn.available(x, proj.weight)):
             w = proj.weight
             i, packed = w.shape[0] // 2, proj.onednn_weights  # [gate rows; up rows]
-            return self.down_proj(onednn.swiglu(x, packed.get("gate", w[:i]), packed.get("up", w[i:])))
+            out = self.down_proj(onednn.swiglu(x, packed.get("gate", w[:i]), packed.get("up", w[i:])))
+            return out if self.tp is None else self.tp.all_reduce(out)
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         if use_native(gate_up) and (gate_up.shape[0] <= small_m_max(gate_up.dtype) or _vector_silu()):
             # One call instead of three ops. Without AVX-512 the kernel is a scalar loop: prefill-sized inputs
             # then take torch's vectorized SiLU (5x faster at 2,048 bf16 rows), which computes the same values.
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(cpu_kernels.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -126,17 +142,26 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The whole model. ``forward`` returns hidden states; ``compute_logits`` applies the LM head only to
-    the rows that sample (logits for every prompt token would cost a fifth of SmolLM2's FLOPs)."""
+    the rows that sample (logits for every prompt token would cost a fifth of SmolLM2's FLOPs).
 
-    def __init__(self, cfg: ModelArchConfig, max_position: int) -> None:
+    Tensor parallelism (``tp`` given): ``cfg`` is this rank's shard (``tp_shard.shard_arch``), the embedding
+    and the LM head hold this rank's rows of the vocabulary, and every rank runs ``forward`` on the same inputs
+    (its collectives pair with the other ranks').
+    """
+
+    def __init__(self, cfg: ModelArchConfig, max_position: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens: nn.Embedding | GGUFEmbedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp
+        self.embed_tokens: nn.Embedding | GGUFEmbedding = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head: Linear | Int8Linear | GGUFLinear = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        head_rows = cfg.vocab_size if tp is None else vocab_shard_size(cfg.vocab_size, tp.size)
+        self.lm_head: Linear | Int8Linear | GGUFLinear = Linear(cfg.hidden_size, head_rows, bias=False)
         # Whole decode steps in one native call where possible (see ``_can_fuse_decode``); tests switch it
         # off to compare with the per-layer path.
         self.fuse_decode = True
@@ -167,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
                 and not meta.prefill_groups and meta.native_prefill is None and use_native(x)
                 and (kv_dtype == x.dtype or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
                 and self.fuse_decode and self._weight_fmt() is not None
-                and (isinstance(emb, GGUFEmbedding) or emb.weight.dtype in (torch.float32, torch.bfloat16)))
+                and (isinstance(emb, GGUFEmbedding) or emb.weight.dtype in (torch.float32, torch.bfloat16))
+                and self.tp is None)
 
     def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -281,8 +307,20 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.weight.dtype
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[num_rows, hidden_size]`` -> float32 logits ``[num_rows, vocab_size]``."""
-        return self.lm_head(hidden).float()
+        """``[num_rows, hidden_size]`` -> float32 logits ``[num_rows, vocab_size]``.
+
+        Under tensor parallelism a collective (every rank calls it with the same rows): rank 0 gets the whole
+        vocabulary's logits gathered from the ranks' shards; another rank gets its own shard's logits
+        ``[num_rows, vocab_shard]`` (which no caller reads: only rank 0 samples).
+        """
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        full = self.tp.gather_to_driver(logits)
+        if full is None:
+            return logits
+        vocab = self.config.vocab_size
+        return full if full.shape[-1] == vocab else full[:, :vocab].contiguous()  # (drop the padding rows)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor | GGUFTensor]) -> None:
         """Load HF-named tensors (``model.layers.0.self_attn.q_proj.weight``, ...), fusing q/k/v and gate/up.

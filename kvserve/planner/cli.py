@@ -47,6 +47,14 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--interconnect-gbs", type=float, default=d.interconnect_bytes_per_s / GB,
                    help="P -> D link GB/s for the PD go/no-go (a bandwidth measured through --metrics-url / "
                         "--bench-json replaces it)")
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="add what N tensor-parallel ranks cost (all-reduce bytes and time per step) and gain")
+    p.add_argument("--tp-link-gbs", type=float, default=d.tp_link_bytes_per_s / GB,
+                   help="the ranks' link GB/s (25: PCIe 4 x16; NVLink 4: 450; CPU ranks on one host: loopback)")
+    p.add_argument("--tp-latency-us", type=float, default=d.tp_latency_s * 1e6,
+                   help="fixed cost of one collective in µs (gloo on loopback ~30-300, NCCL over NVLink ~10)")
+    p.add_argument("--tp-shares-bandwidth", action="store_true",
+                   help="the ranks share one memory bandwidth (CPU ranks on one socket), each reading at 1/N of it")
     p.add_argument("--tpot-slo-ms", type=float, default=None)
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--output-len", type=int, default=d.output_len)
@@ -80,7 +88,9 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         compute_flops=args.compute_tflops * 1e12, draft_cost_ratio=args.draft_cost_ratio,
         num_devices=args.num_devices, interconnect_bytes_per_s=args.interconnect_gbs * GB,
         tpot_slo_s=None if args.tpot_slo_ms is None else args.tpot_slo_ms / 1000,
-        prompt_len=args.prompt_len, output_len=args.output_len)
+        prompt_len=args.prompt_len, output_len=args.output_len, tensor_parallel_size=args.tensor_parallel_size,
+        tp_link_bytes_per_s=args.tp_link_gbs * GB, tp_latency_s=args.tp_latency_us / 1e6,
+        tp_shares_bandwidth=args.tp_shares_bandwidth)
 
 
 def measurements(args: argparse.Namespace) -> Measurements:

@@ -42,6 +42,11 @@ class PlanOptions:
         prefill_tokens_per_s: None: ``compute_flops / (2 × params)`` (compute-bound prefill estimate).
         tpot_slo_s: a TPOT objective (seconds): the roofline names the largest batch meeting it, and the PD
             check counts it as a strict TPOT SLO.
+        tensor_parallel_size: ranks for the tensor-parallel section (1: no section); each rank has
+            ``memory_bytes`` (``kv_cache_memory_bytes`` is per rank, as kvserve's ``--kv-cache-memory``).
+        tp_link_bytes_per_s, tp_latency_s: the ranks' link (bytes/s one way) and the fixed cost of one collective.
+        tp_shares_bandwidth: the ranks share one memory bandwidth (one CPU socket): each reads at
+            ``bandwidth / N``; False: each has its own (GPUs, sockets).
     """
 
     dtype: str = "float32"
@@ -64,6 +69,10 @@ class PlanOptions:
     prompt_len: int = 2048
     output_len: int = 256
     links: dict[str, float] = field(default_factory=lambda: dict(LINKS))
+    tensor_parallel_size: int = 1
+    tp_link_bytes_per_s: float = 25 * GB
+    tp_latency_s: float = 50e-6
+    tp_shares_bandwidth: bool = False
 
 
 def dtype_bytes(name: str) -> int:
@@ -179,8 +188,55 @@ def build_plan(info: ModelInfo, opts: PlanOptions, measured: dict[str, float] | 
     decode_tok_s = next((r["total_tok_s"] for r in rows if r["batch"] == roofline["best_batch"]),
                         rows[0]["total_tok_s"])
     pd = pd_checklist(opts, bpt, prefill, decode_tok_s, transfer)
+    tp = tensor_parallel_section(info, opts, weights, bpt, bw, w_bytes)
     return {"model": model, "kv": kv, "roofline": roofline, "preemption": preempt, "fetch_vs_recompute": fetch,
-            "spec_decode": spec, "kv_8bit": quant, "pd": pd, "options": asdict(opts)}
+            "spec_decode": spec, "kv_8bit": quant, "pd": pd, "tensor_parallel": tp, "options": asdict(opts)}
+
+
+def tensor_parallel_section(info: ModelInfo, opts: PlanOptions, weight_bytes: float, kv_bytes_per_token: int,
+                            bandwidth_bytes_per_s: float, act_bytes: int) -> dict[str, Any] | None:
+    """What ``--tensor-parallel-size N`` costs and gains per decode step (docs/distributed.md): the bytes
+    all-reduced and moved over the link, the collectives' time, the step's lower bound at 1 and N ranks, and the
+    KV capacity of N ranks' memory. None at size 1.
+
+    ``splits`` says whether kvserve can split the model so (whole heads per rank: ``tp_shard.shard_arch``).
+    """
+    from kvserve.errors import InvalidRequestError
+    from kvserve.models.tp_shard import shard_arch
+
+    n = opts.tensor_parallel_size
+    if n == 1:
+        return None
+    a = info.arch
+    try:
+        shard_arch(a, n)
+        splits = True
+        reason = f"{a.num_attention_heads // n} query and {a.num_key_value_heads // n} KV head(s) per rank"
+    except InvalidRequestError as e:
+        splits, reason = False, e.message
+    ctx = opts.context_len
+    if opts.kv_cache_memory_bytes is not None:
+        kv_mem = n * opts.kv_cache_memory_bytes
+    else:
+        kv_mem = cm.kv_memory_bytes(n * opts.memory_bytes, weight_bytes, opts.utilization, n * opts.reserve_bytes)
+    max_fit = cm.max_concurrency(kv_mem, kv_bytes_per_token, ctx)
+    rank_bw = bandwidth_bytes_per_s / n if opts.tp_shares_bandwidth else bandwidth_bytes_per_s
+    collectives = 2 * a.num_hidden_layers + 2  # the all-reduces and the logits' gather
+    rows = []
+    for batch in BATCH_SIZES:
+        kv_total = batch * cm.kv_bytes(kv_bytes_per_token, ctx)
+        allreduce = cm.tp_allreduce_bytes_per_step(a.num_hidden_layers, a.hidden_size, batch, act_bytes)
+        link = cm.tp_link_bytes_per_step(allreduce, a.vocab_size, batch, n)
+        comm = link / opts.tp_link_bytes_per_s + collectives * opts.tp_latency_s
+        one = cm.decode_step_lower_bound_s(weight_bytes, kv_total, bandwidth_bytes_per_s)
+        step = cm.tp_decode_step_s(weight_bytes, kv_total, rank_bw, n, link, opts.tp_link_bytes_per_s, collectives,
+                                   opts.tp_latency_s)
+        rows.append({"batch": batch, "allreduce_bytes": allreduce, "link_bytes": link, "comm_s": comm,
+                     "step_s_1": one, "step_s": step, "speedup": one / step, "fits": batch <= max_fit})
+    return {"size": n, "splits": splits, "split": reason, "link_bytes_per_s": opts.tp_link_bytes_per_s,
+            "latency_s": opts.tp_latency_s, "shares_bandwidth": opts.tp_shares_bandwidth,
+            "rank_bandwidth_bytes_per_s": rank_bw, "collectives_per_step": collectives, "context_len": ctx,
+            "kv_memory_bytes": kv_mem, "max_batch_that_fits": max_fit, "rows": rows}
 
 
 def pd_checklist(opts: PlanOptions, kv_bytes_per_token: int, prefill_tokens_per_s: float,

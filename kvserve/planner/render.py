@@ -100,6 +100,24 @@ def render_plan(plan: dict[str, Any], console: Console | None = None) -> None:
                    [[f"{r['seq_len']:,}", f"{r['max_concurrency']:,}", f"{r['max_concurrency_8bit']:,}"]
                     for r in q["rows"]]))
     c.print(pd_table(plan["pd"]))
+    if plan.get("tensor_parallel"):
+        c.print(tp_table(plan["tensor_parallel"]))
+
+
+def tp_table(tp: dict[str, Any]) -> Table:
+    """What N tensor-parallel ranks cost (collectives) and gain (each reads 1/N) per decode step."""
+    n = tp["size"]
+    title = (f"Tensor parallelism, {n} ranks ({tp['split']}): link {tp['link_bytes_per_s'] / GB:g} GB/s, "
+             f"{tp['collectives_per_step']} collectives/step of {tp['latency_s'] * 1e6:g} µs, "
+             f"{tp['rank_bandwidth_bytes_per_s'] / GB:.1f} GB/s per rank"
+             f"{' (shared)' if tp['shares_bandwidth'] else ''}")
+    caption = (f"at {tp['context_len']:,} tokens/request; {n} ranks' KV budget {_bytes(tp['kv_memory_bytes'])} holds "
+               f"{tp['max_batch_that_fits']} requests" + ("" if tp["splits"] else "; kvserve refuses this size"))
+    return _table(title, ["batch", "all-reduced", "link bytes", "collectives", "step TP=1 ≥", f"step TP={n} ≥",
+                          "speedup ≤", "fits"],
+                  [[str(r["batch"]), _bytes(r["allreduce_bytes"]), _bytes(r["link_bytes"]), _s(r["comm_s"]),
+                    _s(r["step_s_1"]), _s(r["step_s"]), f"{r['speedup']:.2f}×", "yes" if r["fits"] else "no"]
+                   for r in tp["rows"]], caption)
 
 
 def pd_table(pd: dict[str, Any]) -> Table:

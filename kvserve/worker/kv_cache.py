@@ -8,11 +8,16 @@ channels, fp8 one 4-byte float32 (``layers/kv_quant.py``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvserve.layers.kv_quant import kv_bytes_per_token, row_elems, storage_dtype
 from kvserve.models.registry import ModelArchConfig
 from kvserve.worker.host_memory import hugepages_enabled, pack_tensors
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
 
 GiB = 1 << 30
 
@@ -51,6 +56,30 @@ def allocate_kv_cache(arch: ModelArchConfig, num_blocks: int, block_size: int, d
         return [(caches[2 * i], caches[2 * i + 1]) for i in range(n)]
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(arch.num_hidden_layers)]
+
+
+def num_device_blocks(config: EngineConfig, arch: ModelArchConfig, kv_dtype: torch.dtype, dtype: torch.dtype,
+                      device: torch.device, max_num_batched_tokens: int, kv_share: float = 1.0) -> int:
+    """KV blocks of ``arch`` (under tensor parallelism: one rank's shard) that this device's budget holds.
+
+    ``--num-gpu-blocks-override`` when given; on CUDA ``--gpu-memory-utilization`` of the device less what is
+    allocated and a reserve for one step's activations (8 × tokens × intermediate × dtype bytes); on CPU
+    ``--kv-cache-memory`` GiB (per rank). ``kv_share``: the target model's share of the KV bytes (a draft model's
+    cache takes the rest).
+
+    Raises:
+        ValueError: the budget holds no block.
+    """
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+        budget -= 8 * max_num_batched_tokens * arch.intermediate_size * dtype.itemsize
+        budget = min(budget, free)
+    else:
+        budget = int(config.kv_cache_memory * GiB)
+    return num_blocks_for_budget(int(budget * kv_share), arch, config.block_size, kv_dtype)
 
 
 def num_host_blocks_for(swap_space_gib: float, arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:

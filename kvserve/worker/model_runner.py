@@ -11,6 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from kvserve.layers.gguf_blocks import GGUFTensor
 from kvserve.layers.kv_quant import is_kv8, storage_dtype
 from kvserve.models.llama import MODEL_CLASSES, LlamaForCausalLM
 from kvserve.models.registry import ModelArchConfig
+from kvserve.models.tp_shard import shard_arch, shard_weights
 from kvserve.sample.logits_processor import LogitsProcessors
 from kvserve.sample.sampler import Sampler, SamplingMetadata
 from kvserve.sample.token_constraints import TokenConstraints
@@ -39,7 +41,10 @@ from kvserve.spec_decode.verify import mask_before_min_tokens, verify_drafts
 from kvserve.worker.host_memory import move_parameters_to_hugepages
 from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
-from kvserve.worker.prompt_logprobs import compute_prompt_logprobs
+from kvserve.worker.prompt_logprobs import compute_prompt_logprobs, follow_prompt_logprobs
+
+if TYPE_CHECKING:
+    from kvserve.distributed.tp_group import TPGroup
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -48,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 def build_model(arch: ModelArchConfig, weights: Mapping[str, torch.Tensor | GGUFTensor], max_position: int,
                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None,
-                quantization: str | None = None, quantize_lm_head: bool = True) -> LlamaForCausalLM:
+                quantization: str | None = None, quantize_lm_head: bool = True,
+                tp: TPGroup | None = None) -> LlamaForCausalLM:
     """Instantiate without random init (on the meta device), then load ``weights`` into it.
 
     Args:
@@ -60,15 +66,23 @@ def build_model(arch: ModelArchConfig, weights: Mapping[str, torch.Tensor | GGUF
             ``quantize_lm_head`` is False) hold int8 codes quantized from ``weights`` (``layers/int8.py``);
             the embedding table and the norms keep ``dtype`` / ``compute_dtype``. ``"gguf"``: the tensors
             ``weights`` holds as GGUF blocks (``loader.load_gguf_blocks``) stay blocks (``layers/gguf_linear.py``).
+        tp: tensor parallelism: build this rank's shard (``models/tp_shard.py``) of the whole model ``arch``
+            from the whole checkpoint ``weights``; None: the whole model.
     Raises:
-        ValueError: an unknown ``quantization``, or a checkpoint tensor missing, of the wrong shape, or in a GGUF
-            format the kernels do not serve.
+        ValueError: an unknown ``quantization`` (or one with ``tp``), or a checkpoint tensor missing, of the
+            wrong shape, or in a GGUF format the kernels do not serve.
+        InvalidRequestError: ``tp.size`` does not divide the model's heads (``tp_shard.shard_arch``).
     """
     compute_dtype = compute_dtype or dtype
     if quantization not in (None, "int8", "gguf"):
         raise ValueError(f"quantization: must be None, 'int8' or 'gguf', got {quantization!r}")
+    if tp is not None:
+        if quantization is not None:
+            raise ValueError("quantization: not supported with tensor parallelism")
+        weights = shard_weights(cast(dict[str, torch.Tensor], dict(weights)), arch, tp.rank, tp.size)
+        arch = shard_arch(arch, tp.size)
     with torch.device("meta"):
-        model = MODEL_CLASSES[arch.architecture](arch, max_position)
+        model = MODEL_CLASSES[arch.architecture](arch, max_position, tp)
         if quantization == "int8":
             model.use_int8_weights(lm_head=quantize_lm_head)
         elif quantization == "gguf":
@@ -111,7 +125,13 @@ class ModelRunner:
                  num_host_blocks: int = 0, kv_dtype: torch.dtype | None = None,
                  proposer: Proposer | None = None) -> None:
         self.model = model
-        self.arch = model.config
+        self.arch = model.config  # (under tensor parallelism: this rank's shard, its KV heads)
+        # Tensor parallelism: every rank runs execute_model on the same SchedulerOutput; only rank 0 (the
+        # driver) samples. ``collectives_pending`` is True from the start of a step until its last collective:
+        # a failure in between leaves the ranks out of step (the executor then stops them all).
+        self.tp: TPGroup | None = model.tp
+        self.is_driver = self.tp is None or self.tp.is_driver
+        self.collectives_pending = False
         self.device = device
         self.model_dtype = model.compute_dtype
         self.dtype = kv_dtype or self.model_dtype  # the KV cache's logical dtype (swaps, block bytes)
@@ -155,6 +175,7 @@ class ModelRunner:
         scheduled). Raises IndexError for a swap block id outside the device cache or host pool, and whatever
         the model raises (the engine fails the step's requests).
         """
+        self.collectives_pending = self.tp is not None
         for request_id in so.finished_request_ids:
             self.generators.pop(request_id, None)
         self.logits_processors.release(so.finished_request_ids)
@@ -175,6 +196,7 @@ class ModelRunner:
         if so.blocks_to_load:
             self.import_blocks(so.blocks_to_load)
         if not so.scheduled:  # (not ``is_empty``: that may come to count swaps and copies as work)
+            self.collectives_pending = False
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], swap_bytes=swap_bytes,
                                      swap_seconds=swap_seconds, offloaded=offloaded)
         out = self._execute(so)
@@ -241,11 +263,19 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             self.last_forward_seconds = time.perf_counter() - t_forward
             self.last_forward_tokens = int(input_ids.shape[0])
+        if not self.is_driver:  # the same collectives as rank 0's, then nothing: rank 0 samples
+            follow_prompt_logprobs(order, hidden, self.model.compute_logits)
+            if logits_indices.size:
+                self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+            self.collectives_pending = False
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         prompt_logprobs = compute_prompt_logprobs(order, hidden, self.model.compute_logits)
         sampling = [s for s in order if s.sample]
         if not sampling:
+            self.collectives_pending = False
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+        self.collectives_pending = False
         if any(s.draft_token_ids for s in sampling):
             return self._verify_step(sampling, logits, draft_probs, prompt_logprobs)
         requests = [s.request for s in sampling]

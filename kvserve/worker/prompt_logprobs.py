@@ -25,6 +25,25 @@ from kvserve.core.scheduler_output import PromptLogprobsChunk, ScheduledRequest
 _ROWS_PER_SLICE = 512
 
 
+def prompt_logprob_spans(order: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int]]:
+    """The rows of a step's hidden states that score prompt tokens: ``(request, begin, m)`` for each request that
+    asked for prompt logprobs and has something to score, rows ``hidden[begin : begin + m]`` (positions
+    ``c .. c + m - 1`` of its prompt, ``c`` its ``num_computed_tokens``)."""
+    spans = []
+    flat_start = 0
+    for s in order:
+        begin = flat_start
+        flat_start += s.num_scheduled_tokens
+        request = s.request
+        if request.sampling_params.prompt_logprobs is None:
+            continue
+        c = s.num_computed_tokens
+        end = min(c + s.num_scheduled_tokens, request.num_prompt_tokens - 1)  # positions [c, end) score
+        if end > c:
+            spans.append((s, begin, end - c))
+    return spans
+
+
 def compute_prompt_logprobs(order: list[ScheduledRequest], hidden: torch.Tensor,
                             compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, PromptLogprobsChunk]:
     """Score the prompt tokens this step's chunks predict, for the requests that asked for prompt logprobs.
@@ -32,25 +51,19 @@ def compute_prompt_logprobs(order: list[ScheduledRequest], hidden: torch.Tensor,
     Args:
         order: the step's requests in the order their tokens are laid out in ``hidden``.
         hidden: ``[num_tokens, hidden_size]`` final hidden states of the step.
-        compute_logits: the model's ``[rows, hidden_size] -> [rows, vocab]`` float32 head.
+        compute_logits: the model's ``[rows, hidden_size] -> [rows, vocab]`` float32 head, called on slices of
+            at most ``_ROWS_PER_SLICE`` rows of ``prompt_logprob_spans`` in order (a tensor-parallel rank that does
+            not sample calls it on the same slices: ``follow_prompt_logprobs``).
     Returns:
         request id -> the chunk of prompt tokens scored this step (requests with nothing to score are absent).
     """
     out: dict[str, PromptLogprobsChunk] = {}
-    flat_start = 0
-    for s in order:
-        begin = flat_start
-        flat_start += s.num_scheduled_tokens
-        request = s.request
+    for s, begin, m in prompt_logprob_spans(order):
+        request, c = s.request, s.num_computed_tokens
         k = request.sampling_params.prompt_logprobs
-        if k is None:
-            continue
-        c = s.num_computed_tokens
-        end = min(c + s.num_scheduled_tokens, request.num_prompt_tokens - 1)  # positions [c, end) score
-        if end <= c:
-            continue
-        targets = torch.tensor(request.prompt_token_ids[c + 1:end + 1], dtype=torch.int64, device=hidden.device)
-        rows = hidden[begin:begin + end - c]  # [m, hidden_size]
+        assert k is not None
+        targets = torch.tensor(request.prompt_token_ids[c + 1:c + m + 1], dtype=torch.int64, device=hidden.device)
+        rows = hidden[begin:begin + m]  # [m, hidden_size]
         ids, lps, ranks = [], [], []
         for lo in range(0, rows.shape[0], _ROWS_PER_SLICE):
             logprobs = torch.log_softmax(compute_logits(rows[lo:lo + _ROWS_PER_SLICE]).float(), dim=-1)
@@ -63,3 +76,12 @@ def compute_prompt_logprobs(order: list[ScheduledRequest], hidden: torch.Tensor,
             ranks += ((logprobs > tgt_lp).sum(dim=-1) + 1).tolist()
         out[request.request_id] = PromptLogprobsChunk(c + 1, ids, lps, ranks)
     return out
+
+
+def follow_prompt_logprobs(order: list[ScheduledRequest], hidden: torch.Tensor,
+                           compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """A tensor-parallel rank other than 0: call ``compute_logits`` (a collective) on exactly the slices
+    ``compute_prompt_logprobs`` calls it on at rank 0, and nothing else."""
+    for _, begin, m in prompt_logprob_spans(order):
+        for lo in range(0, m, _ROWS_PER_SLICE):
+            compute_logits(hidden[begin + lo:begin + min(m, lo + _ROWS_PER_SLICE)])

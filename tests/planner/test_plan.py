@@ -119,3 +119,44 @@ def test_gguf_weight_bytes_are_the_files_blocks(info: ModelInfo) -> None:
     hf = ModelInfo("hf", "/nowhere", info.arch, info.num_params, info.file_bytes)
     with pytest.raises(ValueError, match="quantization: gguf needs a .gguf model; hf is not one"):
         hf.gguf_weight_bytes(2)
+
+
+def test_tensor_parallel_section_for_qwen_coder_0_5b() -> None:
+    """Qwen2.5-Coder-0.5B (24 layers, hidden 896, 14 / 2 heads, vocabulary 151,936) at 2 ranks, float32."""
+    info = load_model_info("qwen2.5-coder-0.5b-instruct")
+    opts = PlanOptions(dtype="float32", kv_cache_memory_bytes=1 * GiB, bandwidth_bytes_per_s=20 * GB,
+                       copy_bytes_per_s=5 * GB, context_len=1024, prefill_tokens_per_s=300.0, tensor_parallel_size=2,
+                       tp_link_bytes_per_s=10 * GB, tp_latency_s=100e-6)
+    plan = build_plan(info, opts)
+    assert build_plan(info, PlanOptions(**{**opts.__dict__, "tensor_parallel_size": 1}))["tensor_parallel"] is None
+    tp = plan["tensor_parallel"]
+    assert tp["splits"] and tp["split"] == "7 query and 1 KV head(s) per rank"
+    assert tp["collectives_per_step"] == 50  # 2 all-reduces x 24 layers, the embedding's, the logits' gather
+    rows = {r["batch"]: r for r in tp["rows"]}
+    assert rows[1]["allreduce_bytes"] == 175_616  # (2 x 24 + 1) x 896 x 4
+    # ring all-reduce at 2 ranks moves the payload once; rank 0 receives 75,968 float32 logits of the other shard
+    assert rows[1]["link_bytes"] == 175_616 + 75_968 * 4 == 479_488
+    assert rows[1]["comm_s"] == pytest.approx(479_488 / 1e10 + 50 * 100e-6)
+    w, kv_request = info.weight_bytes(4), 24_576 * 1024  # 2 x 24 x 2 x 64 x 4 B/token
+    assert rows[1]["step_s_1"] == pytest.approx((w + kv_request) / 20e9)
+    assert rows[1]["step_s"] == pytest.approx((w + kv_request) / 2 / 20e9 + rows[1]["comm_s"])
+    assert rows[32]["allreduce_bytes"] == 32 * 175_616
+    assert rows[1]["speedup"] == pytest.approx(rows[1]["step_s_1"] / rows[1]["step_s"]) and rows[1]["speedup"] > 1.8
+    assert tp["kv_memory_bytes"] == 2 * GiB and tp["max_batch_that_fits"] == 85  # floor(2 GiB / 25,165,824)
+    shared = build_plan(info, PlanOptions(**{**opts.__dict__, "tp_shares_bandwidth": True}))["tensor_parallel"]
+    assert shared["rows"][0]["step_s"] == pytest.approx(rows[1]["step_s_1"] + rows[1]["comm_s"])  # no gain: one socket
+
+
+def test_cli_plan_tensor_parallel_refusal_and_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.entrypoints.cli import main
+
+    assert main(["plan", "--model", MODEL, "--json", "--bandwidth-gbs", "10", "--copy-bandwidth-gbs", "5",
+                 "--tensor-parallel-size", "3", "--tp-link-gbs", "20", "--tp-latency-us", "40"]) == 0
+    tp = json.loads(capsys.readouterr().out)["tensor_parallel"]
+    assert tp["splits"] and tp["split"] == "3 query and 1 KV head(s) per rank"  # SmolLM2: 9 and 3 heads
+    assert tp["link_bytes_per_s"] == 20e9 and tp["latency_s"] == pytest.approx(40e-6)
+    assert main(["plan", "--model", MODEL, "--bandwidth-gbs", "10", "--copy-bandwidth-gbs", "5",
+                 "--tensor-parallel-size", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # (rich wraps long captions)
+    assert "Tensor parallelism, 2 ranks (tensor_parallel_size: 2 does not divide the model's 9 attention" in out
+    assert "kvserve refuses this size" in out

@@ -282,7 +282,9 @@ def check_server_args(args: argparse.Namespace) -> None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """``kvserve serve``: load the model, then serve until interrupted. Returns the exit code."""
+    """``kvserve serve``: load the model, then serve until interrupted. Returns the exit code: 0, or 1 when a
+    tensor-parallel rank died (its requests were answered with errors, then the server stopped; a supervisor
+    restarts it)."""
     import uvicorn
 
     check_server_args(args)
@@ -291,5 +293,14 @@ def run_server(args: argparse.Namespace) -> int:
                                "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials})
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=10)
-    uvicorn.Server(config).run()
-    return 0
+    server = uvicorn.Server(config)
+    executor_died: list[bool] = []
+
+    def stop() -> None:
+        print(f"[kvserve] {ctx.llm.dead_error}; stopping the server", file=sys.stderr, flush=True)
+        executor_died.append(True)
+        server.should_exit = True
+
+    ctx.llm.on_executor_dead = stop
+    server.run()
+    return 1 if executor_died else 0
