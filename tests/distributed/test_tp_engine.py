@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, cpu_features
+from kvserve.layers import onednn
 from kvserve.outputs import RequestOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -136,3 +137,36 @@ def test_threads_default_to_the_cpus_shared_out(qwen: Path) -> None:
         _close(llm)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not onednn._supported(), reason="needs oneDNN and a CPU with native bf16 dot products")
+def test_bf16_prefill_through_the_fused_swiglu_all_reduces(qwen: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 prompts longer than the small-M kernels' limit take the oneDNN SwiGLU path (rank 0, in this process,
+    counted); its down projection's partial sums must be all-reduced like the reference path's: the prompt
+    logprobs at 2 ranks equal one process's within bf16 rounding (a missing all-reduce drops half the MLP)."""
+    calls = []
+    real = onednn.swiglu
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(onednn, "swiglu", counted)
+    # bf16 activations need the host's real flags (conftest hides bf16 dot products; the workers inherit this)
+    monkeypatch.setenv("KVSERVE_CPU_FLAGS", " ".join(sorted(cpu_features.host_flags())))
+    prompt = random_prompts([120], seed=5)[0]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(str(qwen), skip_tokenizer_init=True, dtype="bfloat16", num_threads=1, tensor_parallel_size=tp,
+                  kv_cache_memory=0.01)
+        assert llm.engine.compute_dtype == torch.bfloat16
+        out[tp] = llm.generate([_ids(prompt)], sp, use_tqdm=False)[0].prompt_logprobs
+        if tp == 2:
+            _close(llm)
+    assert calls and max(calls) > 64
+    a, b = out[1], out[2]
+    assert a is not None and b is not None
+    diffs = [abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a[1:], b[1:], prompt[1:], strict=True)
+             if x is not None and y is not None]
+    assert len(diffs) == len(prompt) - 1 and max(diffs) < 0.1 and sum(diffs) / len(diffs) < 0.02
