@@ -158,7 +158,7 @@ def test_disable_log_requests_logs_no_request(quiet_server: Server) -> None:
 def _app_from_flags(monkeypatch: pytest.MonkeyPatch, *argv: str) -> Any:
     """``kvserve serve ARGV`` up to uvicorn: the real flag parsing and ``build_app``, no model and no socket."""
     apps: list[Any] = []
-    monkeypatch.setattr(server_module, "build_context", lambda args: SimpleNamespace())
+    monkeypatch.setattr(server_module, "build_context", lambda args: SimpleNamespace(llm=SimpleNamespace()))
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: apps.append(self.config.app))
     args = _serve_args(*argv)
     assert args.func(args) == 0
