@@ -49,11 +49,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     prompts = args.prompt or ["The capital of France is"]
     t0 = time.perf_counter()
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
+    try:
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        gen_s = time.perf_counter() - t0
+        llm.engine.close()  # (tensor-parallel workers stop here, not at interpreter exit)
     for prompt, out in zip(prompts, outs, strict=True):
         c = out.outputs[0]
         print(f"--- prompt: {prompt!r}")

@@ -10,11 +10,14 @@ executor; one already initialized (``ray.init`` by the caller) is used and left 
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import secrets
 import threading
 import time
+import weakref
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 import kvserve
 from kvserve.distributed.tp_group import init_tp_group
-from kvserve.executor.distributed import _STOP_TIMEOUT_S, STARTUP_TIMEOUT_S, DistributedExecutor
+from kvserve.executor.distributed import _STOP_TIMEOUT_S, STARTUP_TIMEOUT_S, DistributedExecutor, _shutdown_at_exit
 from kvserve.executor.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -71,6 +74,10 @@ class RayExecutor(DistributedExecutor):
             self._accept(ray, len(worker_specs))
             self.tp = init_tp_group(0, spec.size, spec.master_addr, spec.master_port, torch.device(spec.device),
                                     store)
+            # ray.init registered its own shutdown at exit, after this executor's: exit handlers run last in, first
+            # out, so without this one Ray would be down before the actors are stopped, and their handles'
+            # destructors would reach a shut-down core worker (which ends the process with exit code 1).
+            atexit.register(_shutdown_at_exit, weakref.ref(self))
         except BaseException:
             self.shutdown()
             raise
@@ -140,7 +147,8 @@ class RayExecutor(DistributedExecutor):
                 f"{_ref_error(ray, done[0])}")
 
     def _watch(self) -> None:
-        threading.Thread(target=self._watcher, name="kvserve-tp-watch", daemon=True).start()
+        self._watch_thread = threading.Thread(target=self._watcher, name="kvserve-tp-watch", daemon=True)
+        self._watch_thread.start()
 
     def _watcher(self) -> None:
         import ray
@@ -165,6 +173,14 @@ class RayExecutor(DistributedExecutor):
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self._pg)
+        # Nothing may touch Ray after ray.shutdown(): its core worker ends the process (exit code 1) when a
+        # call or a handle's destructor reaches it. The watcher leaves its ray.wait within 1 s of _closed;
+        # the refs and handles are dropped while Ray is up.
+        watcher = getattr(self, "_watch_thread", None)
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=5.0)
+        self._refs, self._actors, self._pg = [], [], None
+        gc.collect()
         if self._local:
             ray.shutdown()
 
