@@ -37,7 +37,7 @@ class LlamaServer:
     def __init__(self, work: Path, gguf: Path, threads: int, ctx: int = 4096, timeout_s: float = 300.0) -> None:
         self.exe = work / "bin" / "llama-server"
         if not self.exe.is_file():
-            raise FileNotFoundError(f"{self.exe} not found (run /work/shared/bench/setup_peers.sh)")
+            raise FileNotFoundError(f"{self.exe} not found (build the peers with ../shared/bench/setup_peers.sh WORK)")
         self.port = _free_port()
         self.cmd = [str(self.exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", "1",
                     "-c", str(ctx), "-t", str(threads), "-tb", str(threads)]

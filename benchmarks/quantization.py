@@ -15,7 +15,7 @@ load, as kvserve serves it without ``--quantization``), ``int8`` (``--quantizati
   decoding, then ``--steps`` pure decode steps timed one by one (median, ms);
 * **weight bytes read per decode step**: every parameter and buffer once, except the rows of an untied embedding
   table not looked up;
-* with ``--peers WORK`` (``WORK/bin/llama-server``, from /work/shared/bench/setup_peers.sh): llama.cpp's
+* with ``--peers WORK`` (``WORK/bin/llama-server``, from ../shared/bench/setup_peers.sh): llama.cpp's
   ``llama-server`` on **the same GGUF file**, batch-1 decode of the same prompts and lengths, in the same rounds
   (its own ``predicted_per_second``; benchmarks/_llama_peer.py), SIGSTOPped while kvserve runs.
 
@@ -25,7 +25,7 @@ Usage::
 
     .venv/bin/python benchmarks/quantization.py                          # SmolLM2, 2 threads, float/int8/gguf
     .venv/bin/python benchmarks/quantization.py --models smollm2-135m-instruct,qwen2.5-coder-1.5b-instruct \\
-        --peers /work/peers
+        --peers WORK
 """
 
 from __future__ import annotations
