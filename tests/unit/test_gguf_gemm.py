@@ -19,8 +19,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from _isa_builds import library_for
 
-from kvserve import cpu_features
 from kvserve.layers import cpu_kernels, int8
 from kvserve.layers.gguf_blocks import dequantize, gguf_linear_reference, pack, unpack_rows
 from kvserve.layers.gguf_formats import FORMATS, packed_nbytes
@@ -34,19 +34,7 @@ NAMES = list(CODES)
 
 def _lib_for(path: str) -> object:
     """The library of one path, or skip naming the CPU flags the host lacks."""
-    if not cpu_kernels.native_available():
-        pytest.skip("no C compiler: native kernels unbuilt")
-    arch, need = PATHS[path]
-    missing = [f for f in need if f not in cpu_features.host_flags()]
-    if missing:
-        pytest.skip(f"CPU lacks {' '.join(missing)}")
-    if arch != "native" and not X86:
-        pytest.skip(f"the {path} build is x86-only (host: {platform.machine()})")
-    lib = cpu_kernels._library() if arch == "native" else cpu_kernels.build_library(arch)
-    assert lib is not None
-    expected = {"vnni": {"avx512_vnni"}, "avx2": {"avx2"}, "portable": set()}[path]
-    assert cpu_kernels.gguf_features(lib) == expected  # type: ignore[arg-type]
-    return lib
+    return library_for(path, PATHS, cpu_kernels.gguf_features)  # type: ignore[arg-type]
 
 
 def random_blocks(name: str, n: int, k: int, gen: torch.Generator, scale: float = 0.02) -> torch.Tensor:

@@ -14,8 +14,8 @@ import platform
 import pytest
 import torch
 import torch.nn.functional as F
+from _isa_builds import library_for
 
-from kvserve import cpu_features
 from kvserve.layers import cpu_kernels, int8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.native_available(), reason="no C compiler: native kernels unbuilt")
@@ -27,17 +27,7 @@ PATHS = {"vnni": ("native", ("avx512_vnni", "avx512bw")), "avx2": ("x86-64-v3", 
 
 def _lib_for(path: str) -> object:
     """The library of one int8 path, or skip naming the CPU flags the host lacks."""
-    arch, need = PATHS[path]
-    missing = [f for f in need if f not in cpu_features.host_flags()]
-    if missing:
-        pytest.skip(f"CPU lacks {' '.join(missing)}")
-    if arch != "native" and not X86:
-        pytest.skip(f"the {path} build is x86-only (host: {platform.machine()})")
-    lib = cpu_kernels._library() if arch == "native" else cpu_kernels.build_library(arch)
-    assert lib is not None
-    expected = {"vnni": {"avx512_vnni"}, "avx2": {"avx2"}, "portable": set()}[path]
-    assert cpu_kernels.int8_features(lib) == expected  # type: ignore[arg-type]
-    return lib
+    return library_for(path, PATHS, cpu_kernels.int8_features)  # type: ignore[arg-type]
 
 
 def _int_reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
