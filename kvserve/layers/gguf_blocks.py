@@ -128,8 +128,9 @@ def dequantize(data: torch.Tensor, code: int, dtype: torch.dtype = torch.float32
         if f.name == "Q4_1":
             return (d * q16.to(dtype) + _f16(b[..., 2:4], dtype)).view(r, -1)
         if f.name == "Q5_0":
-            qh = b[..., 2:6].to(torch.int16)  # bit e of the 4 bytes: q's bit 4 of element e
-            bits = (qh.repeat_interleave(8, dim=-1) >> torch.arange(8, device=data.device).repeat(4)) & 1
+            # bit e of the 4 bytes (a little-endian 32-bit word): q's bit 4 of element e
+            qh = b[..., 2:6].contiguous().view(torch.int32)  # [R, nb, 1]
+            bits = ((qh >> torch.arange(32, dtype=torch.int32, device=data.device)) & 1).to(torch.int16)
             return (d * (q16 + (bits << 4) - 16).to(dtype)).view(r, -1)
         return (d * (q16 - 8).to(dtype)).view(r, -1)
     if f.name == "Q4_K":

@@ -88,6 +88,32 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def open_gguf(path: Path | str) -> Any:
+    """A ``gguf.GGUFReader`` of the file at ``path`` whose metadata parses ~2x faster.
+
+    The reader slices its memory map once per metadata element (~250k slices for a 49k-token vocabulary); on an
+    ``np.memmap`` each slice runs memmap's Python ``__array_finalize__``, which took half of SmolLM2's 2.6 s
+    parse. Here the map is held as a plain ndarray view of the same read-only mapping (nothing is read into
+    memory; tensors' ``data`` are views of the file as before).
+
+    Raises:
+        ValueError: not a GGUF file (the gguf package's message); OSError: the file cannot be opened.
+    """
+    import gguf
+    import numpy as np
+
+    class _Reader(gguf.GGUFReader):  # type: ignore[misc]
+        @property
+        def data(self) -> Any:
+            return self._plain
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            self._plain = value.view(np.ndarray)  # keeps the mapping alive through .base
+
+    return _Reader(str(path))
+
+
 def gguf_arch_config(reader: Any) -> ModelArchConfig:
     """Read the architecture from GGUF metadata (``{arch}.block_count``, ...)."""
     arch = _gguf_field(reader, "general.architecture")

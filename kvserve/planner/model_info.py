@@ -89,11 +89,9 @@ class ModelInfo:
 
 
 def _gguf_info(name: str, path: Path) -> ModelInfo:
-    import gguf
+    from kvserve.models.registry import gguf_arch_config, open_gguf
 
-    from kvserve.models.registry import gguf_arch_config
-
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     arch = gguf_arch_config(reader)
     params = sum(int(t.n_elements) for t in reader.tensors)
     stored = sum(int(t.n_bytes) for t in reader.tensors)

@@ -113,6 +113,30 @@ def test_gguf_model_holds_the_files_blocks(tiny_gguf: Path) -> None:
     assert sum(firsts) >= 24, firsts
 
 
+def test_loader_dequantizes_every_format_as_the_gguf_package(tiny_gguf: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float loader's torch dequantization (every format of the file) gives the gguf package's bits, tensor
+    for tensor, and ``open_gguf``'s faster reader sees the same fields and tensor bytes as ``GGUFReader``."""
+    from kvserve.models import loader
+    from kvserve.models.registry import open_gguf
+
+    _, got = loader.load_gguf(tiny_gguf)
+    monkeypatch.setattr(loader, "FORMATS", {})  # every tensor through gguf.quants.dequantize
+    _, want = loader.load_gguf(tiny_gguf)
+    assert got.keys() == want.keys() and len(got) > 10
+    for name, w in want.items():
+        g = got[name]
+        assert isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)
+        assert g.dtype == w.dtype == torch.float32 and g.shape == w.shape, name
+        assert torch.equal(g.view(torch.int32), w.view(torch.int32)), name
+    fast, slow = open_gguf(tiny_gguf), gguf.GGUFReader(str(tiny_gguf))
+    assert type(fast.data) is np.ndarray and fast.fields.keys() == slow.fields.keys()
+    for key in slow.fields:
+        assert fast.fields[key].contents() == slow.fields[key].contents(), key
+    assert [(t.name, int(t.tensor_type)) for t in fast.tensors] == [(t.name, int(t.tensor_type)) for t in slow.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, slow.tensors, strict=True))
+
+
 def test_native_gguf_equals_torch_reference(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batched and single prompts, prefill (up to 70 rows) and decode: the same tokens with the native kernels
     (``gguf_gemm``, fused decode steps) and with the torch path (``gguf_linear_reference``, SDPA), float32."""
