@@ -52,11 +52,12 @@ def test_ttft_and_itl_match_injected_delays(api: str) -> None:
 
 
 def test_multi_token_chunks_are_split_by_logprobs_count() -> None:
-    results, _ = run_against_stub(StubConfig(tokens_per_chunk=3), n=5, output_len=50)
+    results, _ = run_against_stub(StubConfig(tokens_per_chunk=3), n=5, output_len=50, load=LoadSpec(request_rate=50.0))
     for r in results:
         # 17 chunks: the first carries 3 tokens (2 zero gaps), the others 3 each (3 × gap/3) -> 49 samples
         assert r.output_tokens == 50 and len(r.itl) == 49 and r.itl_token_aligned
-        assert r.ttft == pytest.approx(0.5 + 2 * 0.010, abs=0.03)
+        # the stub cannot answer sooner than its delays; a loaded CI host can answer later (56 ms seen)
+        assert 0.5 + 2 * 0.010 - 0.005 <= r.ttft <= 0.5 + 2 * 0.010 + 0.08
         later = sorted(r.itl)[2:]
         assert sum(later) / len(later) == pytest.approx(0.010, abs=0.004)
 
