@@ -60,6 +60,7 @@ _SOURCES = {  # file -> its own flags (fast-math only where reductions must reor
     "int8_gemm.c": ["-ffp-contract=off"],  # (its float epilogue must equal the torch reference's bits)
     "threads.c": [],
     "gguf_gemm.c": [],
+    "shm_barrier.c": [],
 }
 _COMMON = ["-O3", "-fPIC", "-fopenmp"]
 _LIBS = ["-lm", "-lmvec"]
@@ -90,6 +91,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "int8_packed_nbytes": (_I64, [_I64, _I64]),
     "int8_quantize_rows": (None, [_PTR, ctypes.c_int, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64]),
     "pin_omp_threads": (ctypes.c_int, [_PTR, ctypes.c_int32]),
+    "shm_arrive_wait": (ctypes.c_int, [_PTR, ctypes.c_int32, ctypes.c_int32, _I64, _PTR, ctypes.c_double]),
     "gguf_gemm": (ctypes.c_int, [_PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "gguf_gemm_features": (ctypes.c_int, []),
     "gguf_rowblock_bytes": (_I64, [_I64, _I64]),
