@@ -19,12 +19,16 @@ What and why
   which separates the all-reduces' cost from the fused kernel's gain. Setups alternate within each round; each
   engine is driven from its own thread (its own OpenMP team; rank 0 pins that thread to its CPU).
 * ``tenants``: 8 system prompts (``--system-tokens`` random ids each) x 16 requests (each the system prompt +
-  40 random ids, 16 output tokens), interleaved in a seeded random order, concurrency 4, on the DP=2
-  deployment with ``--policy cache-aware`` and with ``--policy round-robin``. Each replica's KV cache holds
-  ``--replica-blocks`` blocks: about 5 system prompts, not 8, so that where the tenants go decides what stays
-  cached. Cluster prefix hit rate = cached prompt tokens / prompt tokens, from every response's
-  ``usage.prompt_tokens_details.cached_tokens``; TTFT from the streams. A run's cache_salt is its own, so no
-  run hits another's blocks.
+  40 random ids, 16 output tokens), interleaved in a seeded random order, concurrency 4, on a DP deployment of
+  ``--tenant-replicas`` replicas (default 2) with ``--policy cache-aware`` and with ``--policy round-robin``.
+  Each replica's KV cache holds ``--replica-blocks`` blocks: fewer than the 8 system prompts (about 5 at the
+  default 200), so that where the tenants go decides what stays cached. Cluster prefix hit rate = cached prompt
+  tokens / prompt tokens, from every response's ``usage.prompt_tokens_details.cached_tokens``; TTFT from the
+  streams. A run's cache_salt is its own, so no run hits another's blocks. Bound: with R replicas whose caches
+  each hold the 8/R prompts routed to them, cache-aware misses only each tenant's first request and the
+  suffixes, (1 - 1/16) x 600/640 = 0.88; round-robin sends every tenant to all R caches, each holding about 8/R
+  of the 8 prompts, so it hits about 1/R of 600/640 (more from partial prefixes): the ratio is at most about
+  R x 15/16, 1.9 at R = 2.
 
 The host is a shared 2-core machine: each run records ``other_cpu_frac`` (others' CPU seconds / (wall x
 ncpu); above ~0.05 the run is contaminated, marked ``*``), lscpu's model and flags, load averages.
@@ -212,14 +216,16 @@ def part_dp(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
 def part_tenants(args: argparse.Namespace, records: list[dict[str, Any]]) -> None:
     reqs = tenants_workload(8, args.per_tenant, args.system_tokens, args.seed)
     for policy in ("cache-aware", "round-robin"):
-        srv = Server(["--num-threads", "1", "--data-parallel-size", "2", "--policy", policy, "--dtype", args.dtype,
+        srv = Server(["--num-threads", "1", "--data-parallel-size", str(args.tenant_replicas), "--policy", policy,
+                      "--dtype", args.dtype,
                       "--num-gpu-blocks-override", str(args.replica_blocks), *args.server_args.split()])
         try:
             asyncio.run(closed_loop(srv.url, [(reqs[0][0][:16], 4)], 1, "warmup"))
             res, wall, con, cpu = asyncio.run(closed_loop(srv.url, reqs, 4, f"tenants-{policy}-{time.time_ns()}",
                                                           srv.proc.pid))
-            label = f"{policy}, {args.replica_blocks} blocks/replica"
+            label = f"{policy}, DP={args.tenant_replicas}, {args.replica_blocks} blocks/replica"
             rec = {"part": "tenants", "setup": label, "concurrency": 4, "replica_blocks": args.replica_blocks,
+                   "replicas": args.tenant_replicas,
                    **summary(label, res, wall, con, cpu)}
             records.append(rec)
             print(f"  {label}: hit rate {rec['hit_rate']}, TTFT p50 {rec['ttft_ms'][50]} ms", flush=True)
@@ -344,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-tokens", type=int, default=600, help="tokens of each system prompt (default 600)")
     p.add_argument("--replica-blocks", type=int, default=200,
                    help="KV blocks of 16 tokens per replica in the tenants part (default 200)")
+    p.add_argument("--tenant-replicas", type=int, default=2,
+                   help="data-parallel replicas of the tenants part (default 2; 1 thread each, so more replicas "
+                        "than cores only slows them, and the hit rates do not depend on speed)")
     p.add_argument("--dtype", default="auto",
                    help="--dtype of every server (default auto: bfloat16 where the CPU has native bf16)")
     p.add_argument("--seed", type=int, default=0)
@@ -363,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         print("workload A: DP=2 (1 thread each) vs one 2-thread instance", flush=True)
         part_dp(args, records)
     if "tenants" in parts:
-        print("multi-tenant shared prefixes: cache-aware vs round-robin (DP=2)", flush=True)
+        print(f"multi-tenant shared prefixes: cache-aware vs round-robin (DP={args.tenant_replicas})", flush=True)
         part_tenants(args, records)
     if "tp" in parts:
         print(f"tensor parallelism on {args.tp_model}: TP=2 x 1 thread vs TP=1 x 2 threads", flush=True)
