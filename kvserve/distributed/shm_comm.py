@@ -11,8 +11,8 @@ rank; for two ranks ``a + b``, gloo's sum). Slots alternate between two halves b
 a rank overwrites the half of operation ``s`` only in operation ``s + 2``, after every rank arrived at ``s + 1``,
 i.e. finished reading ``s``.
 
-Layout of the segment (one file under /dev/shm, unlinked once every rank mapped it, so nothing outlives the
-processes)::
+Layout of the segment (one file under /dev/shm, or the temp folder when /dev/shm has less room than the whole
+segment; unlinked once every rank mapped it, so nothing outlives the processes)::
 
     [0, 4096)                        one int64 counter per rank, 64 bytes apart
     4096 + (p * size + r) * SLOT     rank r's slot in half p (SLOT = 16 MiB)
@@ -41,6 +41,11 @@ SLOT_BYTES = 16 << 20  # per rank and half: a 512-token chunk of a 4096-wide fp3
 _HEADER = 4096
 _STRIDE = 8  # int64 words between two ranks' counters (64 bytes: one cache line each)
 _PATH_KEY = "kvserve/tp_shm_path"
+
+
+def _free_bytes(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
 
 
 def shm_comm_wanted() -> bool:
@@ -90,7 +95,10 @@ class ShmComm:
             return None
         total = _HEADER + 2 * size * SLOT_BYTES
         if rank == 0:
-            folder = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+            folder = Path("/dev/shm")
+            if not os.access(folder, os.W_OK) or _free_bytes(folder) < total:
+                # (a container's /dev/shm is often 64 MiB: touching pages past it is SIGBUS, not an error)
+                folder = Path(tempfile.gettempdir())
             path = folder / f"kvserve-tp-{os.getpid()}-{secrets.token_hex(6)}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(fd, total)  # sparse: pages exist once written
