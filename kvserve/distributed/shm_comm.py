@@ -24,7 +24,6 @@ every rank agrees on gloo at start).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -34,6 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from kvserve.layers import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,7 @@ def shm_comm_wanted() -> bool:
     mode = os.environ.get("KVSERVE_TP_COMM", "shm")
     if mode not in ("shm", "gloo"):
         raise ValueError(f"KVSERVE_TP_COMM: must be shm or gloo, got {mode!r}")
-    if mode == "gloo":
-        return False
-    from kvserve.layers import cpu_kernels
-
-    return cpu_kernels.native_available()
+    return mode == "shm" and cpu_kernels.native_available()
 
 
 class ShmComm:
@@ -70,15 +67,12 @@ class ShmComm:
     """
 
     def __init__(self, rank: int, size: int, mapping: mmap.mmap, pids: list[int], timeout_s: float) -> None:
-        from kvserve.layers import cpu_kernels
-
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self._map = mapping
         self._buf = torch.frombuffer(mapping, dtype=torch.uint8)  # the whole segment, shared
         self._counters = self._buf[:_HEADER].view(torch.int64)
         self._pids = torch.tensor(pids, dtype=torch.int64)
         self._seq = 0
-        self._wait = cpu_kernels._lib().shm_arrive_wait
 
     @classmethod
     def connect(cls, rank: int, size: int, store: dist.Store, timeout_s: float) -> ShmComm | None:
@@ -132,8 +126,8 @@ class ShmComm:
         self._seq += 1
         half = self._seq & 1
         self._slot(half, self.rank, x).copy_(x)
-        status = self._wait(ctypes.c_void_p(self._counters.data_ptr()), self.rank, self.size, self._seq,
-                            ctypes.c_void_p(self._pids.data_ptr()), self.timeout_s)
+        status = cpu_kernels.shm_arrive_wait(self._counters, self.rank, self.size, self._seq, self._pids,
+                                             self.timeout_s)
         if status > 0:
             raise RuntimeError(f"tensor-parallel rank {status - 1} (pid {int(self._pids[status - 1])}) died during "
                                f"a shared-memory collective")

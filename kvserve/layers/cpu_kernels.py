@@ -534,3 +534,20 @@ def gguf_gemm(x: torch.Tensor, segments: torch.Tensor, n: int, bias: torch.Tenso
     if rc != 0:
         raise RuntimeError(f"gguf_gemm failed with code {rc}" + (" (invalid segment table)" if rc == -2 else ""))
     return out
+
+
+def shm_arrive_wait(counters: torch.Tensor, rank: int, size: int, seq: int, pids: torch.Tensor,
+                    timeout_s: float) -> int:
+    """Publish operation ``seq`` as ``rank`` and wait for every rank of the shared-memory barrier
+    (``csrc/shm_barrier.c``; used by ``distributed/shm_comm.py``).
+
+    Args:
+        counters: int64 view of the segment's header, one counter per rank 8 words apart (``[8 * size]`` at least).
+        pids: ``[size]`` int64, the ranks' process ids (a dead one ends the wait).
+    Returns:
+        0 when every rank arrived; ``r + 1`` when rank r died first; -1 past ``timeout_s`` seconds.
+    Raises:
+        RuntimeError: the kernels are unavailable.
+    """
+    assert counters.dtype == torch.int64 and pids.dtype == torch.int64 and pids.numel() >= size
+    return int(_lib().shm_arrive_wait(counters.data_ptr(), rank, size, seq, pids.data_ptr(), timeout_s))
