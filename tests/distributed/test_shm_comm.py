@@ -160,3 +160,15 @@ def test_a_peer_that_never_arrives_times_out() -> None:
     seconds, message = res[0].split("|", 1)
     assert "timed out after 3 s" in message, message
     assert 2.9 <= float(seconds) < 8.0
+
+
+def test_a_bad_comm_mode_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.distributed.shm_comm import shm_comm_wanted
+
+    monkeypatch.setenv("KVSERVE_TP_COMM", "nccl")
+    with pytest.raises(ValueError, match="KVSERVE_TP_COMM: must be shm or gloo, got 'nccl'"):
+        shm_comm_wanted()
+    monkeypatch.setenv("KVSERVE_TP_COMM", "gloo")
+    assert shm_comm_wanted() is False
+    monkeypatch.setenv("KVSERVE_TP_COMM", "shm")
+    assert shm_comm_wanted() is True
