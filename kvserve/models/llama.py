@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         # off to compare with the per-layer path.
         self.fuse_decode = True
         self._layer_ptrs: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._weight_fmt_cache: tuple[int | None] | None = None
         self._layer_keepalive: list[torch.Tensor] = []
         if cfg.tie_word_embeddings:
             cast(Linear, self.lm_head).weight = self.embed_tokens.weight
@@ -226,7 +227,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _weight_fmt(self) -> int | None:
         """decode_step's weight code of the decoder layers' projections: 0 float32, 1 bfloat16, 2 int8, 3 GGUF
-        blocks; None when they differ (a GGUF file with some projections in float: the per-layer path runs)."""
+        blocks; None when they differ (a GGUF file with some projections in float: the per-layer path runs).
+        Computed once (a Python walk over every layer's modules, ~1 % of a batch-1 step if repeated);
+        ``use_int8_weights``, ``use_gguf_weights`` and ``load_weights`` forget it."""
+        if self._weight_fmt_cache is None:
+            self._weight_fmt_cache = (self._compute_weight_fmt(),)
+        return self._weight_fmt_cache[0]
+
+    def _compute_weight_fmt(self) -> int | None:
         codes = set()
         for layer in cast(list[DecoderLayer], list(self.layers)):
             for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
@@ -244,6 +252,7 @@ class LlamaForCausalLM(nn.Module):
         quantizes each float tensor as it arrives). Call on the meta device, so that no float storage is
         ever allocated for them. A tied LM head stops sharing the embedding: the table keeps the model
         dtype for lookups; the head holds its own int8 copy."""
+        self._weight_fmt_cache = None
         targets: list[tuple[nn.Module, str]] = [(self, "lm_head")] if lm_head else []
         for layer in cast(list[DecoderLayer], list(self.layers)):
             targets += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
@@ -263,6 +272,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: a tensor missing, a format the kernels do not serve, or a fused projection mixing float
                 and quantized parts.
         """
+        self._weight_fmt_cache = None
         cfg = self.config
 
         def parts(names: list[str]) -> list[GGUFTensor] | None:
@@ -329,6 +339,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: a tensor is missing or has the wrong shape or format.
         """
+        self._weight_fmt_cache = None
         cfg = self.config
         params = dict(self.named_parameters())
 

@@ -266,7 +266,7 @@ class ModelRunner:
         if not self.is_driver:  # the same collectives as rank 0's, then nothing: rank 0 samples
             follow_prompt_logprobs(order, hidden, self.model.compute_logits)
             if logits_indices.size:
-                self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+                self.model.compute_logits(_rows(hidden, logits_indices))
             self.collectives_pending = False
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         prompt_logprobs = compute_prompt_logprobs(order, hidden, self.model.compute_logits)
@@ -274,7 +274,7 @@ class ModelRunner:
         if not sampling:
             self.collectives_pending = False
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+        logits = self.model.compute_logits(_rows(hidden, logits_indices))
         self.collectives_pending = False
         if any(s.draft_token_ids for s in sampling):
             return self._verify_step(sampling, logits, draft_probs, prompt_logprobs)
@@ -484,7 +484,7 @@ class ModelRunner:
                 [scheduled], 0, self.block_size, self.device, self.native_decode, self.native_prefill)
             hidden = model(input_ids, positions, caches, meta)
             if logits:
-                model.compute_logits(hidden[torch.from_numpy(logits_indices).to(self.device)])
+                model.compute_logits(_rows(hidden, logits_indices))
             if cuda:
                 torch.cuda.synchronize(self.device)
             if i:  # the first pass is the warm-up
@@ -516,3 +516,12 @@ def _check_block(block: int, num: int, where: str) -> None:
     """Raise IndexError for a block id outside ``[0, num)`` (``where``: "device" or "host")."""
     if not 0 <= block < num:
         raise IndexError(f"{where} block {block} is outside the {where} pool of {num} blocks")
+
+
+def _rows(hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
+    """``hidden[indices]``: the rows of ``hidden`` ``[T, H]`` at the increasing positions ``indices`` ``[R]``;
+    ``hidden`` itself when they are all of its rows (a pure decode step: no gather, no index tensor)."""
+    n = hidden.shape[0]
+    if len(indices) == n and n and int(indices[0]) == 0 and int(indices[-1]) == n - 1:
+        return hidden  # (increasing and distinct, from 0 to n - 1: every row in order)
+    return hidden[torch.from_numpy(indices).to(hidden.device)]

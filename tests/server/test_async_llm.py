@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,3 +327,29 @@ def test_lockstep_hands_each_step_to_the_handlers_before_the_next_step() -> None
         assert not AsyncLLM(FakeEngine()).lockstep  # type: ignore[arg-type]
 
     asyncio.run(main())
+
+
+def test_gauges_are_refreshed_when_the_snapshot_changes_and_for_every_drained_timing() -> None:
+    """The loop skips the metrics update when the scheduler snapshot equals the last one shown (steady
+    decoding), but never drops timings drained into a snapshot (KV transfer durations), even equal ones."""
+    engine = FakeEngine()
+    shown: list[SchedulerStats] = []
+
+    class _Metrics:
+        def update_engine_state(self, stats: SchedulerStats) -> None:
+            shown.append(stats)
+
+    llm = AsyncLLM(engine, metrics=_Metrics())  # type: ignore[arg-type]
+    snaps: list[SchedulerStats] = []
+    engine.scheduler.make_stats = lambda: snaps.pop(0)  # type: ignore[method-assign]
+
+    def stats(running: int, transfer: Any = None) -> SchedulerStats:
+        return SchedulerStats(running, 0, 0, 0, 0.1 * running, 0, 0, 0, 0, 0, 0, transfer=transfer)
+
+    drained = SimpleNamespace(transfer_seconds=[0.25])
+    snaps += [stats(1), stats(1), stats(2), stats(2, drained), stats(2, drained), stats(2, SimpleNamespace(
+        transfer_seconds=[])), stats(2, SimpleNamespace(transfer_seconds=[]))]
+    for _ in range(7):
+        llm._update_gauges()
+    assert [(s.num_running, s.transfer) for s in shown] == [
+        (1, None), (2, None), (2, drained), (2, drained), (2, SimpleNamespace(transfer_seconds=[]))]
