@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
