@@ -5,33 +5,20 @@ verdict against the outcome, and the tables."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from bench_script import load_benchmark
 
 from kvserve.bench.client import RequestResult
 from kvserve.bench.offline import make_mixed_workload
 from kvserve.planner import measured
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "disagg.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("disagg_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["disagg_bench"] = mod  # dataclasses look the module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-db = _load()
+db = load_benchmark("disagg.py", "disagg_bench")
 P = "kvserve:"
 BPT = 23_040  # SmolLM2-135M bf16 KV bytes per token
 

@@ -2,24 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+from bench_script import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kv8_agreement.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kv8_agreement", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kv8_agreement"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ka = _load()
+ka = load_benchmark("kv8_agreement.py", "kv8_agreement")
 
 
 def test_agreement_counts_tokens_before_the_first_divergence() -> None:

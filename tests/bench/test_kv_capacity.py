@@ -2,24 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+from bench_script import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_capacity.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kv_capacity", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kv_capacity"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-kc = _load()
+kc = load_benchmark("kv_capacity.py", "kv_capacity")
 
 
 def test_capacity_of_smollm2_at_2_gib() -> None:

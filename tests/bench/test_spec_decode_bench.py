@@ -3,31 +3,18 @@ the closed loop on a stub engine, the tables) and one tiny real run of the ngram
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from bench_script import load_benchmark
 
 from kvserve.cost_model import spec_decode_step_speedup
 from kvserve.spec_decode.config import SpeculativeConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_decode.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("spec_decode_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["spec_decode_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sd = _load()
+sd = load_benchmark("spec_decode.py", "spec_decode_bench")
 
 
 def test_variants_are_valid_speculative_configs() -> None:

@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_script import load_benchmark
 
 from kvserve.bench.client import RequestResult
 from kvserve.bench.offline import make_mixed_workload
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_peers.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("vs_peers", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["vs_peers"] = mod  # dataclasses look the module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-vp = _load()
+vp = load_benchmark("vs_peers.py", "vs_peers")
 
 
 def _sha(reqs: list[Any]) -> str:
