@@ -228,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
     def _weight_fmt(self) -> int | None:
         """decode_step's weight code of the decoder layers' projections: 0 float32, 1 bfloat16, 2 int8, 3 GGUF
         blocks; None when they differ (a GGUF file with some projections in float: the per-layer path runs).
-        Computed once (a Python walk over every layer's modules, ~1 % of a batch-1 step if repeated);
+        Computed once (a Python walk over every layer's modules, which ran twice per decode step);
         ``use_int8_weights``, ``use_gguf_weights`` and ``load_weights`` forget it."""
         if self._weight_fmt_cache is None:
             self._weight_fmt_cache = (self._compute_weight_fmt(),)
