@@ -54,6 +54,9 @@ Usage::
     .venv/bin/python benchmarks/vs_peers.py --peers WORK --engines kv,vllm --runs "mixed:16 decode:1"
     .venv/bin/python benchmarks/vs_peers.py --peers WORK --engines kv --runs "mixed:2 decode:1" --num-prompts 3
     .venv/bin/python benchmarks/vs_peers.py --peers WORK --kv-dtype bfloat16 --kv-args "--max-num-seqs 64"
+    # A/B of two kvserve configurations against vLLM in the same interleaved rounds (columns kvb/kv, kvb/vllm)
+    .venv/bin/python benchmarks/vs_peers.py --peers WORK --engines kv,kvb,vllm --kvb-args "--burst-batched-tokens 0" \
+        --runs "mixed:16 mixed:64" --rounds 3
 
 Table cells: ``output tok/s (TTFT p99; ITL p99 ms)``; the decode row: ``decode tok/s (ITL p50 ms)``.
 """
@@ -146,7 +149,7 @@ def parse_runs(spec: str) -> list[tuple[str, int]]:
 
 
 # ---- engines ---------------------------------------------------------------------------------------------
-ENGINES = ("kv", "vllm", "llama")
+ENGINES = ("kv", "kvb", "vllm", "llama")  # kvb: kvserve again, with --kvb-args too (an A/B in the same rounds)
 PEER_OF = {"vllm": "vLLM", "llama": "llama.cpp"}
 
 
@@ -188,11 +191,13 @@ def build_engine(key: str, args: argparse.Namespace, port_number: int | None = N
     """The command line and environment of engine ``key`` (as the reference side_by_side.sh starts it), serving
     on ``port_number`` (default ``args.port``)."""
     work, port, t = Path(args.peers), str(port_number or args.port), str(args.threads)
-    if key == "kv":
+    if key in ("kv", "kvb"):
         exe = Path(args.kvserve) if args.kvserve else REPO / ".venv" / "bin" / "kvserve"
+        extra = shlex.split(args.kv_args) + (shlex.split(getattr(args, "kvb_args", "")) if key == "kvb" else [])
         cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", port, "--served-model-name", "m",
-               "--dtype", args.kv_dtype, "--num-threads", t, *shlex.split(args.kv_args)]
-        spec = EngineSpec("kv", f"kvserve {args.kv_dtype}", cmd)
+               "--dtype", args.kv_dtype, "--num-threads", t, *extra]
+        label = f"kvserve {args.kv_dtype}" + (f" {args.kvb_args}" if key == "kvb" else "")
+        spec = EngineSpec(key, label, cmd)
         if not exe.is_file():
             spec.missing = f"{exe} not found (run scripts/setup.sh, or pass --kvserve)"
         else:
@@ -473,7 +478,7 @@ DECODE_PROMPT, DECODE_OUTPUT = 32, 128  # the decode workload's shape (make_work
 
 def served_dtype_bytes(key: str, args: argparse.Namespace) -> int:
     """Bytes per weight element engine ``key`` serves SmolLM2 with (kvserve's ``auto`` resolved as kvserve does)."""
-    if key == "kv":
+    if key in ("kv", "kvb"):
         if args.kv_dtype == "auto":
             from kvserve import cpu_features
             return 2 if cpu_features.has_native_bf16() else 4
@@ -623,14 +628,16 @@ def format_table(result: dict[str, Any]) -> str:
         if key not in rows_order:
             rows_order.append(key)
         by.setdefault((rec["engine"], *key), []).append(rec)
-    peers = [p for p in ("vllm", "llama") if p in engines and "kv" in engines]
-    header = ["run"] + [result["engines"][k].get("label", k) for k in engines] + [f"kv/{p}" for p in peers]
+    # ratio columns: kv against each peer, and the kvb variant against kv and each peer
+    pairs = [(a, b) for a, b in (("kv", "vllm"), ("kv", "llama"), ("kvb", "kv"), ("kvb", "vllm"), ("kvb", "llama"))
+             if a in engines and b in engines]
+    header = ["run"] + [result["engines"][k].get("label", k) for k in engines] + [f"{a}/{b}" for a, b in pairs]
     rows = []
     rounds = max((len(v) for v in by.values()), default=1)
     for wl, c in rows_order:
         name = "decode c1 (ITL p50)" if wl == "decode" and c == 1 else f"{wl} c{c}"
         row: list[Any] = [name] + [cell(aggregate(by[(k, wl, c)]) if (k, wl, c) in by else None) for k in engines]
-        row += [paired_ratio(by.get(("kv", wl, c), []), by.get((p, wl, c), [])) for p in peers]
+        row += [paired_ratio(by.get((a, wl, c), []), by.get((b, wl, c), [])) for a, b in pairs]
         rows.append(row)
         roof = result.get("roofline")
         if wl == "decode" and c == 1 and roof:
@@ -639,7 +646,7 @@ def format_table(result: dict[str, Any]) -> str:
                 e = roof["engines"].get(k)
                 row.append("-" if e is None or e.get("pct") is None
                            else f"{e['pct']:.0f} % of {e['roofline_tok_s']} ({e['read_gbs']})")
-            rows.append(row + [""] * len(peers))
+            rows.append(row + [""] * len(pairs))
     notes = ["cells: output tok/s (TTFT p99; ITL p99 ms); decode: batch-1 tok/s = 1000/TPOT p50 (ITL p50 ms); "
              f"* other_cpu_frac > {CONTAMINATED}"]
     if rounds > 1:
@@ -801,7 +808,7 @@ def run_interleaved(engines: list[EngineRun], runs: list[tuple[str, int]], round
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", required=True, metavar="WORK", help="folder made by setup_peers.sh")
-    ap.add_argument("--engines", default="kv,vllm,llama", help="comma-separated, in run order: kv,vllm,llama")
+    ap.add_argument("--engines", default="kv,vllm,llama", help="comma-separated, in run order, from kv,kvb,vllm,llama")
     ap.add_argument("--runs", default="mixed:1 mixed:16 mixed:64 shared-prefix:16 decode:1",
                     help="space-separated WORKLOAD:CONCURRENCY items")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -815,6 +822,7 @@ def main(argv: list[str] | None = None) -> int:
                          "ROUNDS times; the table shows medians and the median of the per-round ratios")
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--kv-args", default="", help="extra `kvserve serve` flags (one shell-quoted string)")
+    ap.add_argument("--kvb-args", default="", help="engine kvb: kvserve with --kv-args and these flags too")
     ap.add_argument("--kvserve", default="", help="the kvserve executable (default <repo>/.venv/bin/kvserve)")
     ap.add_argument("--llama-gguf", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])

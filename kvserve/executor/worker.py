@@ -117,7 +117,7 @@ def _build_runner(spec: WorkerSpec, group: TPGroup, conn: Connection) -> ModelRu
     model = build_model(arch, weights, spec.max_model_len, spec.dtype, device, spec.compute_dtype, tp=group)
     del weights
     candidate = num_device_blocks(config, shard_arch(arch, spec.size), spec.kv_dtype, spec.dtype, device,
-                                  config.max_num_batched_tokens)
+                                  max(config.max_num_batched_tokens, config.burst_batched_tokens or 0))
     conn.send(("ready", candidate))
     kind, num_blocks, num_host_blocks = conn.recv()
     assert kind == "init", kind

@@ -116,6 +116,9 @@ def test_engine_commands_and_missing_peers(tmp_path: Path) -> None:
     ll = vp.build_engine("llama", _args(tmp_path, llama_gguf="f32", threads=1))
     assert ll.missing and not ll.salted
     assert ll.cmd[2].endswith("smollm2-135m-f32.gguf") and ll.cmd[ll.cmd.index("-t") + 1] == "1"
+    kvb = vp.build_engine("kvb", _args(tmp_path, kvb_args="--burst-batched-tokens 0"), 18126)
+    assert kvb.key == "kvb" and kvb.label == "kvserve auto --burst-batched-tokens 0"
+    assert kvb.cmd[5] == "18126" and kvb.cmd[-4:] == ["--max-num-seqs", "32", "--burst-batched-tokens", "0"]
     # interleaved rounds: every engine on its own port
     assert vp.build_engine("llama", _args(tmp_path), 18125).cmd[6] == "18125"
     assert "18124" in vp.build_engine("vllm", _args(tmp_path), 18124).cmd
@@ -228,3 +231,11 @@ def test_rounds_aggregate_to_medians_and_paired_ratios() -> None:
     row = next(ln for ln in text.splitlines() if ln.startswith("mixed c16"))
     assert "240.0 (4,000; 102)*" in row and "150.0 (2,200; 102)" in row and row.split()[-1] == "2.00x"
     assert "3 interleaved rounds" in text
+    # a kvb variant: its own column, and paired ratios against kv and the peer
+    kvb = [r("kvb", 1, 330.0, 3000.0), r("kvb", 2, 240.0, 5000.0), r("kvb", 3, 240.0, 4000.0)]
+    result = {"engines": {"kv": {"label": "kvserve"}, "kvb": {"label": "kvserve-b"}, "vllm": {"label": "vLLM"}},
+              "runs": kv + kvb + vllm}
+    lines = vp.format_table(result).splitlines()
+    assert lines[0].split()[-3:] == ["kv/vllm", "kvb/kv", "kvb/vllm"]
+    row = next(ln for ln in lines if ln.startswith("mixed c16"))
+    assert row.split()[-3:] == ["2.00x", "1.10x", "2.20x"]  # kvb/kv per round: 1.1, 1.2, 1.0

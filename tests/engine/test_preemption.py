@@ -67,6 +67,24 @@ def test_chunk_budgets_give_identical_tokens(reference: list[list[list[int]]], b
     assert outs == reference
 
 
+def test_burst_budget_gives_identical_tokens(reference: list[list[list[int]]]) -> None:
+    """Steps of 256 tokens while >= 256 prompt tokens wait (the workload's 759 at the start), 32 after."""
+    llm = LLM(MODEL, max_model_len=512, max_num_batched_tokens=32, burst_batched_tokens=256, kv_cache_memory=0.1)
+    sizes: list[int] = []
+    run = llm.engine.executor.execute_model
+
+    def recording(so: Any) -> Any:
+        sizes.append(so.total_num_scheduled_tokens)
+        return run(so)
+
+    llm.engine.executor.execute_model = recording  # type: ignore[method-assign]
+    prompts, params = _workload()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == reference
+    assert sizes[:2] == [256, 256] and max(sizes[3:]) <= 32
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
 def test_partial_prefills_and_the_long_prompt_cap(reference: list[list[list[int]]]) -> None:
     outs, llm = _run(max_num_batched_tokens=96, max_num_partial_prefills=3, long_prefill_token_threshold=40,
                      kv_cache_memory=0.1)

@@ -231,6 +231,35 @@ def test_step_token_budget_defaults_by_device(tiny_qwen2: tuple[Path, list[list[
     assert budget(enable_chunked_prefill=False, max_model_len=200) == 200  # a whole prompt fits one step
 
 
+def test_burst_budget_defaults_and_bounds(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]]) -> None:
+    """No flags on CPU: 2,048-token steps under a burst (DEFAULT_BURST_BATCHED_TOKENS); a given
+    --max-num-batched-tokens turns it off unless --burst-batched-tokens is given too; a burst budget below the
+    step budget is refused, naming the field."""
+    from kvserve.config import DEFAULT_BURST_BATCHED_TOKENS
+    from kvserve.errors import InvalidRequestError
+
+    path = str(tiny_qwen2[0])
+    assert EngineConfig().burst_batched_tokens is None
+    assert DEFAULT_BURST_BATCHED_TOKENS == {"cpu": 2048, "cuda": 0}
+
+    def budgets(**kwargs: object) -> tuple[int, int, int]:
+        engine = LLM(path, device="cpu", dtype="float32", kv_cache_memory=0.01, **kwargs).engine
+        cfg = engine.scheduler.config
+        assert cfg.burst_batched_tokens == engine.burst_batched_tokens
+        return cfg.max_num_batched_tokens, cfg.burst_batched_tokens, cfg.max_step_tokens
+
+    assert budgets() == (512, 2048, 2048)
+    assert budgets(max_num_batched_tokens=96) == (96, 0, 96)
+    assert budgets(max_num_batched_tokens=96, burst_batched_tokens=1024) == (96, 1024, 1024)
+    assert budgets(burst_batched_tokens=0) == (512, 0, 512)
+    assert budgets(enable_chunked_prefill=False, max_model_len=200) == (512, 2048, 2048)
+    with pytest.raises(InvalidRequestError, match="burst_batched_tokens: 256 must be 0") as err:
+        budgets(burst_batched_tokens=256)
+    assert err.value.param == "burst_batched_tokens"
+    with pytest.raises(InvalidRequestError, match="burst_batched_tokens"):
+        EngineConfig(burst_batched_tokens=-1)
+
+
 @pytest.mark.skipif(not cpu_kernels.native_available(), reason="no C compiler: native kernels unbuilt")
 def test_bind_compute_threads_follows_the_flag(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]]) -> None:
     """``auto`` pins only when the engine's threads use every CPU of the process; ``none`` never; a list pins

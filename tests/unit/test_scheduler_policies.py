@@ -116,6 +116,35 @@ def test_min_chunk_scales_down_with_tiny_budgets() -> None:
     assert SchedulerConfig(8, 2048, 256).min_prefill_chunk == 64
 
 
+def test_burst_budget_only_while_the_backlog_fills_a_burst_step() -> None:
+    s = make(budget=8, burst_batched_tokens=32)
+    assert s.config.max_step_tokens == 32
+    for name in "abcd":
+        s.add_request(req(name, 12))
+    assert s.prefill_backlog() == 48
+    assert plan(step(s)) == [("a", 0, 12), ("b", 0, 12), ("c", 0, 8)]  # 48 waiting >= 32: a burst step
+    assert s.prefill_backlog() == 4 + 12
+    assert plan(step(s)) == [("a", 12, 1), ("b", 12, 1), ("c", 8, 4), ("d", 0, 2)]  # 16 < 32: back to 8
+    assert plan(step(s)) == [("a", 13, 1), ("b", 13, 1), ("c", 12, 1), ("d", 2, 5)]
+    for name in "efgh":  # a new burst arrives while four requests decode
+        s.add_request(req(name, 8))
+    assert s.prefill_backlog() == 5 + 32
+    assert plan(step(s)) == [("a", 14, 1), ("b", 14, 1), ("c", 13, 1), ("d", 7, 5), ("e", 0, 8), ("f", 0, 8),
+                             ("g", 0, 8)]  # 3 decodes + 29 prompt tokens = 32
+    assert sum(x.num_scheduled_tokens for x in s.schedule().scheduled) <= 8  # h's 8 alone: not a burst
+
+
+def test_burst_budget_bounds() -> None:
+    cfg = SchedulerConfig(8, 8, 256, burst_batched_tokens=32)
+    assert [cfg.step_budget(n) for n in (0, 31, 32, 1000)] == [8, 8, 32, 32]
+    off = SchedulerConfig(8, 8, 256, burst_batched_tokens=4)  # not above the base budget: off
+    assert (off.max_step_tokens, off.step_budget(1000)) == (8, 8)
+    assert SchedulerConfig(8, 8, 256).step_budget(1000) == 8
+    s = make(budget=8, burst_batched_tokens=0)
+    s.add_request(req("a", 40))
+    assert plan(step(s)) == [("a", 0, 8)]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # priority
 # ---------------------------------------------------------------------------------------------------------
