@@ -187,6 +187,8 @@ class _Step:
     loads: list[tuple[BlockId, bytes]] = field(default_factory=list)
     swapped_in: set[str] = field(default_factory=set)
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens scheduled this step
+    # Hashes of the uncached full prompt blocks that running or admitted requests compute (None: not gathered)
+    computing: set[BlockHash] | None = None
 
 
 class Scheduler:
@@ -547,6 +549,9 @@ class Scheduler:
                     continue
                 break
             hits = bm.get_computed_blocks(request)
+            if self._computed_by_another(request, hits, step):
+                i += 1  # its next block is being computed for another prompt: a step later it is a cache hit
+                continue
             external = self._external_kv(request, hits)
             if external is None:
                 i += 1  # its blocks are being fetched (a slower tier, a prefill instance): next one first
@@ -583,6 +588,31 @@ class Scheduler:
                     self.prefix_cache_hits += num_computed
             self.running.append(request)
             self._schedule(request, num_new, step)
+            if step.computing is not None:
+                step.computing.update(self._uncached_prompt_hashes(request))
+
+    def _uncached_prompt_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the full blocks ``request`` has still to compute (none when its blocks are not cached)."""
+        bm = self.block_manager
+        if request.sampling_params.prompt_logprobs is not None:
+            return []  # (its blocks are committed too, but it never waits for others')
+        return bm.request_block_hashes(request)[request.num_computed_tokens // bm.block_size:]
+
+    def _computed_by_another(self, request: Request, hits: list[BlockId], step: _Step) -> bool:
+        """Whether the first block after ``request``'s prefix-cache hits is one that a running or just admitted
+        request computes (two prompts sharing an uncached prefix in one burst). Admitting it now would compute
+        that prefix twice; a step later the blocks are cached (in-batch prefix sharing, as SGLang's scheduler
+        holds back waiting requests that share a prefix with one already in the batch)."""
+        bm = self.block_manager
+        if (not bm.enable_caching or request.sampling_params.prompt_logprobs is not None
+                or request.kv_transfer is not None or len(hits) >= (request.num_tokens - 1) // bm.block_size):
+            return False
+        if step.computing is None:
+            step.computing = set()
+            for r in self.running:
+                if r.num_tokens - r.num_computed_tokens > 1:
+                    step.computing.update(self._uncached_prompt_hashes(r))
+        return bool(step.computing) and bm.request_block_hashes(request)[len(hits)] in step.computing
 
     def recompute_swapped(self, request_ids: Iterable[str]) -> None:
         """Turn swapped requests into recompute ones (their host copy is not trusted: the step that swapped

@@ -327,6 +327,48 @@ def test_admission_starts_after_the_cached_prefix_and_counts_tokens() -> None:
     run(s, out)
 
 
+def test_a_prompt_sharing_an_uncached_prefix_waits_a_step_for_the_cache() -> None:
+    """Two prompts with a common 12-token prefix arrive together: the second is held back one step (its first
+    block is being computed for the first), then admitted after the 3 cached blocks; an unrelated prompt, a
+    prompt of another tenant and one that asks for prompt logprobs are not held back."""
+    s = sched(block_size=4, budget=64)
+    prefix = list(range(100, 112))
+    a, b = req("a", prefix + [1, 2, 3], max_tokens=2), req("b", prefix + [4, 5, 6], max_tokens=2)
+    c = req("c", list(range(200, 210)), max_tokens=2)
+    d = req("d", prefix + [7, 8, 9], max_tokens=2, salt="tenant-2")
+    e = Request("e", prefix + [1, 1, 1], SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1), None, 2)
+    for r in (a, b, c, d, e):
+        s.add_request(r)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_computed_tokens, x.num_scheduled_tokens) for x in out.scheduled] == [
+        ("a", 0, 15), ("c", 0, 10), ("d", 0, 15), ("e", 0, 15)]
+    assert [r.request_id for r in s.waiting] == ["b"]
+    run(s, out)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_computed_tokens, x.num_scheduled_tokens) for x in out.scheduled] == [
+        ("a", 15, 1), ("c", 10, 1), ("d", 15, 1), ("e", 15, 1), ("b", 12, 3)]
+    assert out.scheduled[-1].block_table[:3] == out.scheduled[0].block_table[:3]  # a's blocks, shared
+    assert b.num_cached_tokens == 12 and (s.prefix_cache_queries, s.prefix_cache_hits) == (5 * 15 - 5, 12)
+    run(s, out)
+
+
+def test_a_prompt_waits_while_a_partial_prefill_computes_its_prefix() -> None:
+    """The prefix is prefilled in chunks (budget 12): in step 2 the sharer would find 3 cached blocks and compute
+    the 4th again beside the first prompt; it waits a step and finds all 4."""
+    s = sched(block_size=4, budget=12)
+    prefix = list(range(100, 116))
+    a, b = req("a", prefix + [1, 2], max_tokens=1), req("b", prefix + [3, 4], max_tokens=1)
+    s.add_request(a)
+    s.add_request(b)
+    plans = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        plans.append([(x.request.request_id, x.num_computed_tokens, x.num_scheduled_tokens) for x in out.scheduled])
+        run(s, out)
+    assert plans == [[("a", 0, 12)], [("a", 12, 6)], [("b", 16, 2)]]
+    assert b.num_cached_tokens == 16
+
+
 def test_recompute_after_preemption_is_not_a_new_hit() -> None:
     """BC-16 in the core: a preempted request finds its own blocks again, uncounted."""
     s = sched(num_blocks=5, block_size=2, budget=16)
