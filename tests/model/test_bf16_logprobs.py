@@ -71,7 +71,8 @@ def _load_hf_bf16(path: Path) -> Any:
     return model.eval()
 
 
-def _kvserve_bf16(model: str, prompts: list[Any], max_new: int) -> tuple[Any, list[list[int]], list[RequestOutput]]:
+def _kvserve_bf16(model: str, prompts: list[Any], max_new: int, **engine_kwargs: Any
+                  ) -> tuple[Any, list[list[int]], list[RequestOutput]]:
     """kvserve's bf16 greedy run over text or chat prompts: (tokenizer, prompt ids, outputs).
 
     The engine sees the host's real CPU flags (conftest hides bf16 dot products from ``--dtype auto``): bf16
@@ -79,7 +80,7 @@ def _kvserve_bf16(model: str, prompts: list[Any], max_new: int) -> tuple[Any, li
     real_flags = " ".join(sorted(cpu_features.host_flags())) or "none"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVSERVE_CPU_FLAGS", real_flags)
-        llm = LLM(model, dtype="bfloat16", kv_cache_memory=0.25)
+        llm = LLM(model, dtype="bfloat16", kv_cache_memory=0.25, **engine_kwargs)
     assert llm.engine.dtype == torch.bfloat16
     assert llm.engine.compute_dtype == (torch.bfloat16 if cpu_features.has_native_bf16(cpu_features.host_flags())
                                         else torch.float32)
@@ -156,10 +157,13 @@ def _short(prompt: Any) -> str:
 
 def test_smollm2_bf16_logprobs_close(smollm2_path: Path) -> None:
     """The 8 prompts run twice in one batch: 16 decodes a step take the AVX512-BF16 4 x 4 GEMM tiles (M >= 10)
-    where the CPU has them; each row's arithmetic does not depend on the batch, so both copies agree."""
+    where the CPU has them; each row's arithmetic does not depend on the batch, so both copies agree. Prefix
+    caching off: with it, each second copy would wait a step and prefill only its last tokens after the first
+    copy's cached blocks (in-step prefix sharing), a different chunking whose bf16 rounding may differ."""
     prompts: list[Any] = [*TEXT_PROMPTS, *CHAT_PROMPTS]
     t0 = time.perf_counter()
-    tok, prompt_ids, outs = _kvserve_bf16("smollm2-135m-instruct", prompts + prompts, SMOLLM2_NEW)
+    tok, prompt_ids, outs = _kvserve_bf16("smollm2-135m-instruct", prompts + prompts, SMOLLM2_NEW,
+                                          enable_prefix_caching=False)
     n = len(prompts)
     assert [o.outputs[0].token_ids for o in outs[n:]] == [o.outputs[0].token_ids for o in outs[:n]]
     prompt_ids, outs = prompt_ids[:n], outs[:n]
