@@ -53,10 +53,13 @@ def _in_thread(fn: Any) -> Any:
 def _allowed_by_task() -> dict[int, str]:
     tasks = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            for line in f:
-                if line.startswith("Cpus_allowed_list:"):
-                    tasks[int(tid)] = line.split(":", 1)[1].strip()
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        tasks[int(tid)] = line.split(":", 1)[1].strip()
+        except FileNotFoundError:
+            continue  # the thread exited between the listing and the read (e.g. the Python thread just joined)
     return tasks
 
 
