@@ -53,13 +53,10 @@ def _in_thread(fn: Any) -> Any:
 def _allowed_by_task() -> dict[int, str]:
     tasks = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/status") as f:
-                for line in f:
-                    if line.startswith("Cpus_allowed_list:"):
-                        tasks[int(tid)] = line.split(":", 1)[1].strip()
-        except FileNotFoundError:
-            continue  # the thread exited between the listing and the read (e.g. the Python thread just joined)
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Cpus_allowed_list:"):
+                    tasks[int(tid)] = line.split(":", 1)[1].strip()
     return tasks
 
 
