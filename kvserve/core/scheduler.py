@@ -592,7 +592,7 @@ class Scheduler:
                 step.computing.update(self._uncached_prompt_hashes(request))
 
     def _uncached_prompt_hashes(self, request: Request) -> list[BlockHash]:
-        """Hashes of the full blocks ``request`` has still to compute (none when its blocks are not cached)."""
+        """Hashes of the full blocks ``request`` has still to compute (none for a prompt-logprobs request)."""
         bm = self.block_manager
         if request.sampling_params.prompt_logprobs is not None:
             return []  # (its blocks are committed too, but it never waits for others')
