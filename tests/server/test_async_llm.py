@@ -117,9 +117,21 @@ def _params(max_tokens: int = 3) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0)
 
 
+_MODE = {"inline": False}
+
+
+@pytest.fixture(autouse=True, params=["thread", "inline"])
+def engine_loop(request: pytest.FixtureRequest) -> str:
+    """Every test runs with the engine loop on its own thread and inline on the event loop (``_started``)."""
+    _MODE["inline"] = request.param == "inline"
+    return str(request.param)
+
+
 async def _started(engine: FakeEngine, **kwargs: Any) -> AsyncLLM:
+    kwargs.setdefault("inline", _MODE["inline"])
     llm = AsyncLLM(engine, **kwargs)  # type: ignore[arg-type]
     llm.start()
+    assert (llm._task is not None) == _MODE["inline"] and (llm._thread is not None) != _MODE["inline"]
     return llm
 
 
@@ -353,3 +365,68 @@ def test_gauges_are_refreshed_when_the_snapshot_changes_and_for_every_drained_ti
         llm._update_gauges()
     assert [(s.num_running, s.transfer) for s in shown] == [
         (1, None), (2, None), (2, drained), (2, drained), (2, SimpleNamespace(transfer_seconds=[]))]
+
+
+def test_inline_loop_runs_on_the_event_loop_thread_and_wakes_from_other_threads(engine_loop: str) -> None:
+    """Inline: every step runs on the event loop's own thread, between two steps the handlers run (no step
+    while a handler holds the loop), and ``_wake`` from another thread (a KV connector, a TP watcher) makes an
+    idle engine poll at once; shutdown cancels the parked task and closes the engine."""
+    if engine_loop != "inline":
+        pytest.skip("inline mode only")
+
+    async def main() -> None:
+        import threading
+
+        engine = FakeEngine(delay_s=0.0)
+        step_threads: set[int] = set()
+        polls: list[int] = []
+        real_step = engine.step
+
+        def step() -> list[RequestOutput]:
+            step_threads.add(threading.get_ident())
+            return real_step()
+
+        engine.step = step  # type: ignore[method-assign]
+        engine.poll_background = lambda: polls.append(threading.get_ident())  # type: ignore[attr-defined]
+        llm = await _started(engine)
+        assert llm.lockstep and llm._thread is None
+        stream = llm.add_request({"prompt_token_ids": [1, 2]}, _params(5))
+        await stream.accepted()
+        assert [len(o.outputs[0].token_ids) async for o in stream] == [1, 2, 3, 4, 5]
+        assert step_threads == {threading.get_ident()}
+        await asyncio.sleep(0.05)  # idle now: parked on the wake-up event, no polling
+        before = len(polls)
+        await asyncio.sleep(0.2)
+        assert len(polls) == before
+        waker = threading.Thread(target=llm._wake)
+        waker.start()
+        waker.join()
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            if len(polls) > before:
+                break
+        assert len(polls) == before + 1 and polls[-1] == threading.get_ident()
+        task = llm._task
+        assert task is not None and not task.done()
+        llm.shutdown()
+        await asyncio.sleep(0)
+        assert task.done() and engine.closed and not llm.is_dead
+
+    asyncio.run(main())
+
+
+def test_engine_loop_flag_picks_the_mode(monkeypatch: pytest.MonkeyPatch, engine_loop: str) -> None:
+    """``--engine-loop thread|inline|auto`` reaches AsyncLLM (auto: inline when lockstep is on)."""
+    import argparse
+
+    from kvserve.entrypoints.openai import server as server_module
+
+    parser = argparse.ArgumentParser()
+    server_module.add_server_args(parser)
+    assert parser.parse_args([]).engine_loop == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--engine-loop", "fiber"])
+    assert AsyncLLM(FakeEngine(), inline=None, lockstep=True).inline  # type: ignore[arg-type]
+    assert not AsyncLLM(FakeEngine(), inline=None, lockstep=False).inline  # type: ignore[arg-type]
+    assert AsyncLLM(FakeEngine(), inline=True, lockstep=False).lockstep  # type: ignore[arg-type]
+    assert not AsyncLLM(FakeEngine(), inline=False, lockstep=True).inline  # type: ignore[arg-type]
