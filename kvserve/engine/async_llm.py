@@ -9,7 +9,7 @@ The engine is not thread-safe: only the loop thread ever touches it. The HTTP si
 over through the inbox; the loop thread drains the inbox before every step and sleeps on the condition
 when there is nothing to do (no busy polling). Outputs go back with one ``call_soon_threadsafe`` per step.
 
-Inline mode (the default where the engine computes on as many CPUs as the process has, see ``AsyncLLM``):
+Inline mode (``inline=True``, ``kvserve serve --engine-loop inline``; off by default, see ``AsyncLLM``):
 the same loop runs as an asyncio task on the event loop's own thread. A step blocks the event loop; between
 steps the task hands the outputs to the streams directly and yields until their handlers have run. No thread
 hand-off is left on the per-token path: the thread version's two wake-ups per step (the event loop's, then
@@ -198,10 +198,12 @@ class AsyncLLM:
             64 streams) the overlap cost more than doing the two one after the other. None: on when the
             engine computes on the CPU with as many threads as the process may use.
         inline: run the engine loop as a task on the event loop's thread instead of its own thread (implies
-            lockstep: the handlers always run between two steps). None: the same as ``lockstep``. Measured
+            lockstep: the handlers always run between two steps). None: off (the thread). Measured
             on 2 vCPUs (SmolLM2 bf16, 2 threads, one streamed request, timestamps in the loop): the gap between
             two steps is 0.66-0.70 ms inline against 0.95-0.97 ms with the thread's two hand-offs, of which
-            ~0.55 ms is the handlers' own work (half of it the socket write that wakes the client).
+            ~0.55 ms is the handlers' own work (half of it the socket write that wakes the client). Through the
+            server against the thread in the same rounds (window s27, docs/performance.md) it was no
+            consistent win: batch-1 decode 0.94x, A c1 1.03x, A c16 0.92x, A c64 1.13x, B c16 1.03x.
 
     Call :meth:`start` from the running event loop, :meth:`shutdown` to stop.
     """
@@ -216,7 +218,7 @@ class AsyncLLM:
             # (tensor parallelism: every rank's threads compute at once)
             ranks = getattr(getattr(engine, "executor", None), "world_size", 1)
             lockstep = device == "cpu" and threads is not None and threads * ranks >= len(os.sched_getaffinity(0))
-        self.inline = lockstep if inline is None else inline
+        self.inline = bool(inline)
         self.lockstep = lockstep or self.inline
         self._delivered = threading.Event()
         name = engine.config.served_model_name or engine.config.model

@@ -47,8 +47,6 @@ class Server:
         cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", *model, "--host", "127.0.0.1",
                "--port", str(self.port), "--num-threads", "1", "--kv-cache-memory", "0.2",
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags]
-        if not any(f.startswith("--engine-loop") for f in flags):  # the default of a CPU host that the engine
-            cmd += ["--engine-loop", "inline"]                     # has to itself (threads = CPUs)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         self._log_file = self.log.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)

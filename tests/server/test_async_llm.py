@@ -416,17 +416,17 @@ def test_inline_loop_runs_on_the_event_loop_thread_and_wakes_from_other_threads(
 
 
 def test_engine_loop_flag_picks_the_mode(monkeypatch: pytest.MonkeyPatch, engine_loop: str) -> None:
-    """``--engine-loop thread|inline|auto`` reaches AsyncLLM (auto: inline when lockstep is on)."""
+    """``--engine-loop thread|inline`` (default thread) and AsyncLLM's ``inline`` (implies lockstep)."""
     import argparse
 
     from kvserve.entrypoints.openai import server as server_module
 
     parser = argparse.ArgumentParser()
     server_module.add_server_args(parser)
-    assert parser.parse_args([]).engine_loop == "auto"
+    assert parser.parse_args([]).engine_loop == "thread"
     with pytest.raises(SystemExit):
         parser.parse_args(["--engine-loop", "fiber"])
-    assert AsyncLLM(FakeEngine(), inline=None, lockstep=True).inline  # type: ignore[arg-type]
+    assert not AsyncLLM(FakeEngine(), inline=None, lockstep=True).inline  # type: ignore[arg-type]
     assert not AsyncLLM(FakeEngine(), inline=None, lockstep=False).inline  # type: ignore[arg-type]
     assert AsyncLLM(FakeEngine(), inline=True, lockstep=False).lockstep  # type: ignore[arg-type]
     assert not AsyncLLM(FakeEngine(), inline=False, lockstep=True).inline  # type: ignore[arg-type]

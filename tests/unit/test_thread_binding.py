@@ -51,12 +51,16 @@ def _in_thread(fn: Any) -> Any:
 
 
 def _allowed_by_task() -> dict[int, str]:
+    """Each live thread's ``Cpus_allowed_list``; a thread that exits while the list is read is left out."""
     tasks = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/status") as f:
-            for line in f:
-                if line.startswith("Cpus_allowed_list:"):
-                    tasks[int(tid)] = line.split(":", 1)[1].strip()
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        tasks[int(tid)] = line.split(":", 1)[1].strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return tasks
 
 
@@ -68,17 +72,18 @@ def test_pin_omp_threads_pins_each_team_thread() -> None:
     main_mask = os.sched_getaffinity(0)
     before = _allowed_by_task()
 
-    def pin() -> tuple[int, set[int]]:
+    def pin() -> tuple[int, set[int], dict[int, str]]:
         torch.set_num_threads(2)
         team = cpu_kernels.pin_omp_threads([b, a])  # thread 0 (this one) on b, thread 1 on a
         torch.zeros(1 << 16).add_(1)  # the same team runs torch's parallel work afterwards
-        return team, os.sched_getaffinity(0)
+        # Read while this thread lives: libgomp frees a thread's pool (its worker exits) when the thread ends.
+        new = {tid: cpus for tid, cpus in _allowed_by_task().items()
+               if tid not in before and tid != threading.get_native_id()}
+        return team, os.sched_getaffinity(0), new
 
-    team, mine = _in_thread(pin)
+    team, mine, new = _in_thread(pin)
     assert team == 2 and mine == {b}
-    # the team's other thread (an OpenMP worker that outlives the Python thread) is pinned to a
-    new = {tid: cpus for tid, cpus in _allowed_by_task().items() if tid not in before}
-    assert str(a) in new.values(), new
+    assert str(a) in new.values(), new  # the team's other thread (an OpenMP worker) is pinned to a
     assert os.sched_getaffinity(0) == main_mask  # the main thread keeps its CPUs
     with pytest.raises(ValueError):
         cpu_kernels.pin_omp_threads([])

@@ -196,10 +196,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help='allow tool_choice "auto": the model decides to call tools (needs --tool-call-parser)')
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="how tool calls are read from the output (hermes: <tool_call>{json}</tool_call>, Qwen2.5)")
-    g.add_argument("--engine-loop", default="auto", choices=["auto", "thread", "inline"],
-                   help="where the engine loop runs: its own thread, or inline as a task on the HTTP event loop's "
-                        "thread (no thread hand-off per token; a step blocks the event loop). auto: inline when "
-                        "the engine computes on as many CPUs as the process may use, else a thread")
+    g.add_argument("--engine-loop", default="thread", choices=["thread", "inline"],
+                   help="where the engine loop runs: its own thread (default), or inline as a task on the HTTP "
+                        "event loop's thread (no thread hand-off per token; a step blocks the event loop)")
     g.add_argument("--metrics-prefix", default="kvserve", choices=["kvserve", "vllm"],
                    help="metric names kvserve:* or vllm:* (vLLM's Grafana dashboards read vllm:*)")
 
@@ -257,7 +256,7 @@ def build_context(args: argparse.Namespace) -> ServerContext:
         tokenizer.hf.chat_template = load_chat_template(args.chat_template)
     limit = args.max_waiting_requests if args.max_waiting_requests > 0 else None
     metrics = EngineMetrics(name, prefix=args.metrics_prefix, max_model_len=engine.max_model_len)
-    inline = {"auto": None, "thread": False, "inline": True}[args.engine_loop]
+    inline = args.engine_loop == "inline"
     llm = AsyncLLM(engine, metrics=metrics, max_waiting_requests=limit, inline=inline)
     print(f"[kvserve] serving {name!r} ({config.model}) on {engine.device}, dtype {engine.dtype}, "
           f"max_model_len {engine.max_model_len}, {engine.num_blocks} KV blocks of {config.block_size} tokens "
