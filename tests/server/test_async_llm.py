@@ -426,7 +426,7 @@ def test_engine_loop_flag_picks_the_mode(monkeypatch: pytest.MonkeyPatch, engine
     assert parser.parse_args([]).engine_loop == "thread"
     with pytest.raises(SystemExit):
         parser.parse_args(["--engine-loop", "fiber"])
-    assert not AsyncLLM(FakeEngine(), inline=None, lockstep=True).inline  # type: ignore[arg-type]
-    assert not AsyncLLM(FakeEngine(), inline=None, lockstep=False).inline  # type: ignore[arg-type]
+    assert not AsyncLLM(FakeEngine(), lockstep=True).inline  # type: ignore[arg-type]
+    assert not AsyncLLM(FakeEngine(), lockstep=False).inline  # type: ignore[arg-type]
     assert AsyncLLM(FakeEngine(), inline=True, lockstep=False).lockstep  # type: ignore[arg-type]
     assert not AsyncLLM(FakeEngine(), inline=False, lockstep=True).inline  # type: ignore[arg-type]
