@@ -48,6 +48,35 @@ def host_flags() -> frozenset[str]:
     return _read_cpuinfo()[1]
 
 
+@cache
+def cpu_signature() -> tuple[str, int, int]:
+    """``(vendor_id, cpu family, model)`` from ``/proc/cpuinfo``, e.g. ``("AuthenticAMD", 25, 17)`` for a Zen 4
+    EPYC; ``("", -1, -1)`` where unreadable (not Linux, or not x86)."""
+    vendor, family, model = "", -1, -1
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value
+                elif key == "cpu family" and family < 0 and value.isdigit():
+                    family = int(value)
+                elif key == "model" and model < 0 and value.isdigit():
+                    model = int(value)
+                elif not line.strip() and vendor:
+                    break  # the first CPU's block is enough
+    except OSError:
+        pass
+    return vendor, family, model
+
+
+def is_zen4() -> bool:
+    """True on AMD Zen 4 (family 19h with AVX-512; Zen 3, the other family-19h core, has none)."""
+    vendor, family, _ = cpu_signature()
+    return vendor == "AuthenticAMD" and family == 0x19 and "avx512f" in host_flags()
+
+
 def cpu_model() -> str:
     """The CPU's model name, e.g. ``AMD EPYC 9R14 96-Core Processor``."""
     return _read_cpuinfo()[0]

@@ -95,6 +95,52 @@ def test_small_gemm_avx512_bf16_dot_products() -> None:
                                    rtol=2 ** -8, atol=1e-4 * k ** 0.5)
 
 
+def test_row_prefetch_threshold_builds_give_equal_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row loop with and without its software prefetch (``ROW_PREFETCH_MIN_M`` 1: always, 9: never below
+    the tiles) computes the same bits at every M of the row loop, with both activation dtypes."""
+    if "avx512_bf16" not in cpu_features.host_flags():
+        pytest.skip("CPU lacks avx512_bf16")
+    libs = []
+    for min_m in ("1", "9"):
+        monkeypatch.setenv("KVSERVE_ROW_PREFETCH_MIN_M", min_m)
+        assert f"-DROW_PREFETCH_MIN_M={min_m}" in cpu_kernels._source_flags()["small_gemm.c"]
+        libs.append(cpu_kernels.build_library("native"))
+    assert libs[0] is not None and libs[1] is not None and libs[0]._name != libs[1]._name  # type: ignore[attr-defined]
+    g = torch.Generator().manual_seed(11)
+    for m in range(1, 10):
+        x, w = torch.randn(m, 577, generator=g).to(BF16), torch.randn(131, 577, generator=g).to(BF16)
+        for xx in (x, x.float()):
+            a, b = (cpu_kernels.small_gemm(xx, w, lib=lib) for lib in libs)  # type: ignore[arg-type]
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a.double(), _ref_linear(x, w, None), rtol=2 ** -8, atol=1e-4 * 577 ** 0.5)
+
+
+def test_row_prefetch_min_m_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zen 4 (AMD family 19h with AVX-512) skips the prefetch below M = 4; other CPUs always prefetch; the
+    environment variable overrides; a bad value is an error naming it."""
+    monkeypatch.delenv("KVSERVE_ROW_PREFETCH_MIN_M", raising=False)
+    monkeypatch.setattr(cpu_features, "is_zen4", lambda: True)
+    assert cpu_kernels.row_prefetch_min_m() == 4
+    monkeypatch.setattr(cpu_features, "is_zen4", lambda: False)
+    assert cpu_kernels.row_prefetch_min_m() == 1
+    monkeypatch.setenv("KVSERVE_ROW_PREFETCH_MIN_M", "2")
+    assert cpu_kernels.row_prefetch_min_m() == 2
+    monkeypatch.setenv("KVSERVE_ROW_PREFETCH_MIN_M", "x")
+    with pytest.raises(ValueError, match="KVSERVE_ROW_PREFETCH_MIN_M"):
+        cpu_kernels.row_prefetch_min_m()
+
+
+def test_is_zen4_reads_the_cpu_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_features, "host_flags", lambda: frozenset({"avx512f"}))
+    for sig, want in [(("AuthenticAMD", 25, 17), True), (("AuthenticAMD", 25, 1), True),
+                      (("AuthenticAMD", 26, 2), False), (("GenuineIntel", 6, 143), False)]:
+        monkeypatch.setattr(cpu_features, "cpu_signature", lambda sig=sig: sig)
+        assert cpu_features.is_zen4() is want
+    monkeypatch.setattr(cpu_features, "host_flags", lambda: frozenset({"avx2"}))  # Zen 3: family 19h, no AVX-512
+    monkeypatch.setattr(cpu_features, "cpu_signature", lambda: ("AuthenticAMD", 25, 1))
+    assert cpu_features.is_zen4() is False
+
+
 def test_native_build_has_the_paths_the_cpu_allows() -> None:
     flags = cpu_features.host_flags()
     feats = cpu_kernels.gemm_features()

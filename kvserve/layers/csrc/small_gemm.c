@@ -60,6 +60,18 @@
 #ifndef PREFETCH_ROW
 #define PREFETCH_ROW 4096
 #endif
+/* The row loop prefetches only from this many tokens M up: below it the hardware prefetcher alone streams
+ * faster on some cores (Zen 4: M = 1-3 read 10-25 % faster without, M = 4-8 5-20 % slower; see
+ * cpu_kernels.row_prefetch_min_m, which sets it per CPU). */
+#ifndef ROW_PREFETCH_MIN_M
+#define ROW_PREFETCH_MIN_M 1
+#endif
+#ifndef PREFETCH_TILE /* 0: the 4 x 4 bf16 tiles do not prefetch the next tile's rows */
+#define PREFETCH_TILE 1
+#endif
+#ifndef PREFETCH_ROW_HINT /* __builtin_prefetch locality: 0 = prefetchnta, 3 = prefetcht0 */
+#define PREFETCH_ROW_HINT 0
+#endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
@@ -204,13 +216,15 @@ static void gemm_f32x(const float *x, const float *xp, const void *w, int wbf16,
  * reads at the machine's bandwidth where 4 interleaved row streams (the tile loops above) reach ~45 % of
  * it. A token group past the first re-reads the row (<= a few KiB) from L1. K's tail is masked. */
 static inline __attribute__((always_inline)) void row_dpbf16(const uint16_t *xh, const uint16_t *wr, int64_t K,
-                                                             int64_t m0, int mt, float *acc_out) {
+                                                             int64_t m0, int mt, int pf, float *acc_out) {
     __m512 a0[4], a1[4];
     for (int m = 0; m < mt; m++) a0[m] = _mm512_setzero_ps(), a1[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
-        __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW, 0, 0); /* NTA: see PREFETCH_ROW */
-        __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW + 64, 0, 0);
+        if (pf) {
+            __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW, 0, PREFETCH_ROW_HINT); /* see PREFETCH_ROW */
+            __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW + 64, 0, PREFETCH_ROW_HINT);
+        }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
         for (int m = 0; m < mt; m++) {
             const uint16_t *xr = xh + (m0 + m) * K + k;
@@ -241,7 +255,9 @@ static inline __attribute__((always_inline)) void tile4x4_dpbf16(const uint16_t 
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[4], xv[4];
         for (int r = 0; r < nr; r++) {
+#if PREFETCH_TILE
             __builtin_prefetch((const char *)(wr + (4 + r) * K + k));
+#endif
             wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
         }
         for (int m = 0; m < mt; m++) xv[m] = (__m512bh)_mm512_loadu_si512(xh + (m0 + m) * K + k);
@@ -298,12 +314,10 @@ static void gemm_dpbf16_tiles(const uint16_t *xh, const uint16_t *w, const float
     }
 }
 
-static void gemm_dpbf16(const uint16_t *xh, const uint16_t *w, const float *bias, float *out, int64_t M,
-                        int64_t N, int64_t K, int nthreads) {
-    if (M >= TILE_M_MIN) {
-        gemm_dpbf16_tiles(xh, w, bias, out, M, N, K, nthreads);
-        return;
-    }
+/* The row loop (M < TILE_M_MIN); pf: software-prefetch the weight rows (a constant at each call site). */
+static inline __attribute__((always_inline)) void gemm_dpbf16_rows(const uint16_t *xh, const uint16_t *w,
+                                                                   const float *bias, float *out, int64_t M, int64_t N,
+                                                                   int64_t K, int nthreads, int pf) {
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) {
         const uint16_t *wr = w + n * K;
@@ -312,14 +326,24 @@ static void gemm_dpbf16(const uint16_t *xh, const uint16_t *w, const float *bias
             float acc[4];
             const int64_t mt = M - m0 < 4 ? M - m0 : 4;
             switch (mt) {
-            case 1: row_dpbf16(xh, wr, K, m0, 1, acc); break;
-            case 2: row_dpbf16(xh, wr, K, m0, 2, acc); break;
-            case 3: row_dpbf16(xh, wr, K, m0, 3, acc); break;
-            default: row_dpbf16(xh, wr, K, m0, 4, acc); break;
+            case 1: row_dpbf16(xh, wr, K, m0, 1, pf, acc); break;
+            case 2: row_dpbf16(xh, wr, K, m0, 2, pf, acc); break;
+            case 3: row_dpbf16(xh, wr, K, m0, 3, pf, acc); break;
+            default: row_dpbf16(xh, wr, K, m0, 4, pf, acc); break;
             }
             for (int64_t m = 0; m < mt; m++) out[(m0 + m) * N + n] = acc[m] + b;
         }
     }
+}
+
+static void gemm_dpbf16(const uint16_t *xh, const uint16_t *w, const float *bias, float *out, int64_t M,
+                        int64_t N, int64_t K, int nthreads) {
+    if (M >= TILE_M_MIN) {
+        gemm_dpbf16_tiles(xh, w, bias, out, M, N, K, nthreads);
+        return;
+    }
+    if (M >= ROW_PREFETCH_MIN_M) gemm_dpbf16_rows(xh, w, bias, out, M, N, K, nthreads, 1);
+    else gemm_dpbf16_rows(xh, w, bias, out, M, N, K, nthreads, 0);
 }
 #endif
 
