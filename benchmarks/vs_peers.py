@@ -196,8 +196,11 @@ def build_engine(key: str, args: argparse.Namespace, port_number: int | None = N
         extra = shlex.split(args.kv_args) + (shlex.split(getattr(args, "kvb_args", "")) if key == "kvb" else [])
         cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", port, "--served-model-name", "m",
                "--dtype", args.kv_dtype, "--num-threads", t, *extra]
-        label = f"kvserve {args.kv_dtype}" + (f" {args.kvb_args}" if key == "kvb" else "")
-        spec = EngineSpec(key, label, cmd)
+        env_b = dict(kv.split("=", 1) for kv in shlex.split(getattr(args, "kvb_env", ""))) if key == "kvb" else {}
+        kvb_args = getattr(args, "kvb_args", "") if key == "kvb" else ""
+        label = f"kvserve {args.kv_dtype}" + (f" {kvb_args}" if kvb_args else "") + "".join(
+            f" {k}={v}" for k, v in env_b.items())
+        spec = EngineSpec(key, label, cmd, env_b)
         if not exe.is_file():
             spec.missing = f"{exe} not found (run scripts/setup.sh, or pass --kvserve)"
         else:
@@ -823,6 +826,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--kv-args", default="", help="extra `kvserve serve` flags (one shell-quoted string)")
     ap.add_argument("--kvb-args", default="", help="engine kvb: kvserve with --kv-args and these flags too")
+    ap.add_argument("--kvb-env", default="",
+                    help="engine kvb: extra environment variables, e.g. \"KVSERVE_ROW_PREFETCH_MIN_M=1\"")
     ap.add_argument("--kvserve", default="", help="the kvserve executable (default <repo>/.venv/bin/kvserve)")
     ap.add_argument("--llama-gguf", default="bf16", choices=["bf16", "f32"])
     ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -119,6 +119,11 @@ def test_engine_commands_and_missing_peers(tmp_path: Path) -> None:
     kvb = vp.build_engine("kvb", _args(tmp_path, kvb_args="--burst-batched-tokens 0"), 18126)
     assert kvb.key == "kvb" and kvb.label == "kvserve auto --burst-batched-tokens 0"
     assert kvb.cmd[5] == "18126" and kvb.cmd[-4:] == ["--max-num-seqs", "32", "--burst-batched-tokens", "0"]
+    assert kvb.env == {} and kv.env == {}
+    kvb = vp.build_engine("kvb", _args(tmp_path, kvb_env="KVSERVE_ROW_PREFETCH_MIN_M=1 A=b=c"), 18126)
+    assert kvb.env == {"KVSERVE_ROW_PREFETCH_MIN_M": "1", "A": "b=c"}
+    assert kvb.label == "kvserve auto KVSERVE_ROW_PREFETCH_MIN_M=1 A=b=c"
+    assert vp.build_engine("kv", _args(tmp_path, kvb_env="A=1")).env == {}  # kvb's environment only
     # interleaved rounds: every engine on its own port
     assert vp.build_engine("llama", _args(tmp_path), 18125).cmd[6] == "18125"
     assert "18124" in vp.build_engine("vllm", _args(tmp_path), 18124).cmd
