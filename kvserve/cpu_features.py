@@ -19,20 +19,28 @@ REPORTED_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx
 
 
 @cache
-def _read_cpuinfo() -> tuple[str, frozenset[str]]:
+def _read_cpuinfo() -> tuple[str, frozenset[str], tuple[str, int, int]]:
+    """``(model name, flags, (vendor_id, cpu family, model))`` of the first CPU in ``/proc/cpuinfo``."""
     model, flags = platform.processor() or platform.machine(), frozenset[str]()
+    vendor, family, model_no = "", -1, -1
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                key = key.strip()
+                key, value = key.strip(), value.strip()
                 if key == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
+                    model = value
                 elif key in ("flags", "Features") and not flags:
                     flags = frozenset(value.split())
+                elif key == "vendor_id" and not vendor:
+                    vendor = value
+                elif key == "cpu family" and family < 0 and value.isdigit():
+                    family = int(value)
+                elif key == "model" and model_no < 0 and value.isdigit():
+                    model_no = int(value)
     except OSError:
         pass
-    return model, flags
+    return model, flags, (vendor, family, model_no)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -48,27 +56,10 @@ def host_flags() -> frozenset[str]:
     return _read_cpuinfo()[1]
 
 
-@cache
 def cpu_signature() -> tuple[str, int, int]:
     """``(vendor_id, cpu family, model)`` from ``/proc/cpuinfo``, e.g. ``("AuthenticAMD", 25, 17)`` for a Zen 4
     EPYC; ``("", -1, -1)`` where unreadable (not Linux, or not x86)."""
-    vendor, family, model = "", -1, -1
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key, value = key.strip(), value.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value
-                elif key == "cpu family" and family < 0 and value.isdigit():
-                    family = int(value)
-                elif key == "model" and model < 0 and value.isdigit():
-                    model = int(value)
-                elif not line.strip() and vendor:
-                    break  # the first CPU's block is enough
-    except OSError:
-        pass
-    return vendor, family, model
+    return _read_cpuinfo()[2]
 
 
 def is_zen4() -> bool:
