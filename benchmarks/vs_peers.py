@@ -196,7 +196,12 @@ def build_engine(key: str, args: argparse.Namespace, port_number: int | None = N
         extra = shlex.split(args.kv_args) + (shlex.split(getattr(args, "kvb_args", "")) if key == "kvb" else [])
         cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", port, "--served-model-name", "m",
                "--dtype", args.kv_dtype, "--num-threads", t, *extra]
-        env_b = dict(kv.split("=", 1) for kv in shlex.split(getattr(args, "kvb_env", ""))) if key == "kvb" else {}
+        env_b: dict[str, str] = {}
+        for item in shlex.split(getattr(args, "kvb_env", "")) if key == "kvb" else []:
+            name, eq, value = item.partition("=")
+            if not name or not eq:
+                raise ValueError(f"--kvb-env: {item!r} is not NAME=VALUE")
+            env_b[name] = value
         kvb_args = getattr(args, "kvb_args", "") if key == "kvb" else ""
         label = f"kvserve {args.kv_dtype}" + (f" {kvb_args}" if kvb_args else "") + "".join(
             f" {k}={v}" for k, v in env_b.items())

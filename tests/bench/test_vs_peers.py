@@ -124,6 +124,8 @@ def test_engine_commands_and_missing_peers(tmp_path: Path) -> None:
     assert kvb.env == {"KVSERVE_ROW_PREFETCH_MIN_M": "1", "A": "b=c"}
     assert kvb.label == "kvserve auto KVSERVE_ROW_PREFETCH_MIN_M=1 A=b=c"
     assert vp.build_engine("kv", _args(tmp_path, kvb_env="A=1")).env == {}  # kvb's environment only
+    with pytest.raises(ValueError, match="--kvb-env: 'NOEQUALS' is not NAME=VALUE"):
+        vp.build_engine("kvb", _args(tmp_path, kvb_env="A=1 NOEQUALS"))
     # interleaved rounds: every engine on its own port
     assert vp.build_engine("llama", _args(tmp_path), 18125).cmd[6] == "18125"
     assert "18124" in vp.build_engine("vllm", _args(tmp_path), 18124).cmd

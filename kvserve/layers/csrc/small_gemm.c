@@ -66,12 +66,6 @@
 #ifndef ROW_PREFETCH_MIN_M
 #define ROW_PREFETCH_MIN_M 1
 #endif
-#ifndef PREFETCH_TILE /* 0: the 4 x 4 bf16 tiles do not prefetch the next tile's rows */
-#define PREFETCH_TILE 1
-#endif
-#ifndef PREFETCH_ROW_HINT /* __builtin_prefetch locality: 0 = prefetchnta, 3 = prefetcht0 */
-#define PREFETCH_ROW_HINT 0
-#endif
 
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
@@ -222,8 +216,8 @@ static inline __attribute__((always_inline)) void row_dpbf16(const uint16_t *xh,
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
         if (pf) {
-            __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW, 0, PREFETCH_ROW_HINT); /* see PREFETCH_ROW */
-            __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW + 64, 0, PREFETCH_ROW_HINT);
+            __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW, 0, 0); /* NTA: see PREFETCH_ROW */
+            __builtin_prefetch((const char *)(wr + k) + PREFETCH_ROW + 64, 0, 0);
         }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
         for (int m = 0; m < mt; m++) {
@@ -255,9 +249,7 @@ static inline __attribute__((always_inline)) void tile4x4_dpbf16(const uint16_t 
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[4], xv[4];
         for (int r = 0; r < nr; r++) {
-#if PREFETCH_TILE
             __builtin_prefetch((const char *)(wr + (4 + r) * K + k));
-#endif
             wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
         }
         for (int m = 0; m < mt; m++) xv[m] = (__m512bh)_mm512_loadu_si512(xh + (m0 + m) * K + k);
