@@ -38,6 +38,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ _SOURCES = {  # file -> its own flags (fast-math only where reductions must reor
     "paged_attention_kv8.c": ["-ffast-math", "-fno-finite-math-only"],
     "fused_ops.c": ["-ffp-contract=off"],
     "decode_step.c": [],
+    "decode_io.c": [],
     "prefill_attention.c": ["-ffp-contract=fast"],  # (no fast-math: its exp rounds with the 1.5*2^23 trick)
     "int8_gemm.c": ["-ffp-contract=off"],  # (its float epilogue must equal the torch reference's bits)
     "threads.c": [],
@@ -84,6 +86,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
                                       ctypes.c_int, ctypes.c_int]),
     "decode_step": (ctypes.c_int, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
                     + [_I64] * 6 + [ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I64]),
+    "embed_rows": (ctypes.c_int, [_PTR, ctypes.c_int, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int]),
+    "argmax_rows": (None, [_PTR, ctypes.c_int, _I64, _I64, _PTR]),
     "paged_prefill_attention": (ctypes.c_int, [_PTR, _I64, ctypes.c_int, _PTR, _PTR, ctypes.c_int, _PTR, _I64, _PTR,
                                                _PTR, _PTR, _I64, _I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64]),
     "prefill_attention_features": (ctypes.c_int, []),
@@ -190,6 +194,12 @@ def _library() -> ctypes.CDLL | None:
 def native_available() -> bool:
     """True when the compiled kernels can be used (a C compiler was found and the build succeeded)."""
     return _library() is not None
+
+
+def native_library() -> ctypes.CDLL:
+    """The loaded kernels (their ctypes signatures set), for a caller that passes raw addresses of buffers it
+    keeps (``worker/greedy_decode.py``). Raises RuntimeError when they are unavailable."""
+    return _lib()
 
 
 def _lib() -> ctypes.CDLL:
@@ -391,6 +401,96 @@ def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Ten
     if rc != 0:
         raise RuntimeError(f"decode_step failed with code {rc}")
     return out
+
+
+def argmax_rows(x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for a 2-D float32 or bfloat16 CPU tensor (``decode_io.c``; the same index as
+    torch's: the first NaN of a row if it has one, else the first index of its maximum).
+
+    Args:
+        x: ``[M, N]`` float32 or bfloat16 (copied to contiguous rows first if strided).
+        lib: a library from ``build_library`` (tests); default: the process's library.
+    Returns:
+        ``[M]`` int64.
+    Raises:
+        RuntimeError: the kernels are unavailable. TypeError: another dtype.
+    """
+    x = x.contiguous()
+    m, n = x.shape
+    out = torch.empty(m, dtype=torch.int64)
+    (lib or _lib()).argmax_rows(x.data_ptr(), _bf16_flag(x), m, n, out.data_ptr())
+    return out
+
+
+def embed_rows(table: torch.Tensor, ids: torch.Tensor, out_dtype: torch.dtype,
+               lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``table[ids].to(out_dtype)`` for a float32 or bfloat16 embedding table (``decode_io.c``): rows copied,
+    or bfloat16 rows widened to float32 (exact).
+
+    Args:
+        table: ``[V, H]`` float32 or bfloat16, contiguous. ids: ``[M]`` int64 (contiguous).
+        out_dtype: float32, or the table's dtype.
+    Returns:
+        ``[M, H]`` in ``out_dtype``.
+    Raises:
+        IndexError: an id outside ``[0, V)``. TypeError: an unsupported dtype pair (float32 table -> bfloat16).
+        RuntimeError: the kernels are unavailable.
+    """
+    assert table.is_contiguous() and ids.dtype == torch.int64
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=out_dtype)
+    rc = (lib or _lib()).embed_rows(table.data_ptr(), _bf16_flag(table), table.shape[0], ids.data_ptr(), ids.shape[0],
+                                    table.shape[1], out.data_ptr(), _bf16_flag(out))
+    if rc == -1:
+        raise IndexError(f"token id outside the embedding table of {table.shape[0]} rows")
+    if rc != 0:
+        raise TypeError(f"embed_rows: no {table.dtype} -> {out_dtype} path")
+    return out
+
+
+@dataclass(frozen=True)
+class DecodeStepArgs:
+    """The per-model arguments of ``decode_step.c`` (see :func:`decode_step`), made once by the model.
+
+    Attributes:
+        layer_ptrs: ``[num_layers, 9]`` int64 addresses (the tensors they point to must stay alive).
+        final_norm: ``[H]`` in the activations' dtype. cos, sin: ``[max_position, head_dim]`` float32.
+        block_size: tokens per KV block. eps: RMSNorm's epsilon. scale: attention's softmax scale.
+        weight_fmt: 0 float32, 1 bfloat16, ``WEIGHT_FMT_INT8``, ``WEIGHT_FMT_GGUF``. kv_fmt: 0, or an 8-bit
+            cache's ``kv_quant.format_code``.
+    """
+
+    layer_ptrs: torch.Tensor
+    final_norm: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+    scale: float
+    weight_fmt: int
+    kv_fmt: int
+
+
+def decode_step_ptrs(args: DecodeStepArgs, x: int, out: int, positions: int, slot_mapping: int, block_tables: int,
+                     seq_lens: int, max_blocks: int, m: int, h: int, x_bf16: int) -> None:
+    """:func:`decode_step` on raw addresses (buffers the caller keeps, e.g. numpy arrays' ``ctypes.data``): no
+    tensor is made. ``x``, ``out``: ``[m, h]`` activations (float32, or bfloat16 if ``x_bf16``); ``positions``,
+    ``slot_mapping``, ``seq_lens``: ``[m]`` int64; ``block_tables``: ``[m, max_blocks]`` int64, C order.
+
+    Raises:
+        RuntimeError: the kernels are unavailable, or scratch memory could not be allocated.
+    """
+    rc = _lib().decode_step(
+        x, out, args.layer_ptrs.data_ptr(), args.layer_ptrs.shape[0], args.final_norm.data_ptr(), positions,
+        slot_mapping, block_tables, seq_lens, max_blocks, args.block_size, args.cos.data_ptr(), args.sin.data_ptr(),
+        m, h, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size, args.eps, args.scale,
+        args.weight_fmt, x_bf16, args.kv_fmt, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"decode_step failed with code {rc}")
 
 
 def prefill_features(lib: ctypes.CDLL | None = None) -> set[str]:

@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         # Whole decode steps in one native call where possible (see ``_can_fuse_decode``); tests switch it
         # off to compare with the per-layer path.
         self.fuse_decode = True
-        self._layer_ptrs: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._layer_ptrs: tuple[tuple[int, int], cpu_kernels.DecodeStepArgs] | None = None
         self._weight_fmt_cache: tuple[int | None] | None = None
         self._layer_keepalive: list[torch.Tensor] = []
         if cfg.tie_word_embeddings:
@@ -196,9 +196,35 @@ class LlamaForCausalLM(nn.Module):
                 and (isinstance(emb, GGUFEmbedding) or emb.weight.dtype in (torch.float32, torch.bfloat16))
                 and self.tp is None)
 
+    def native_greedy_decode_ok(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether ``worker/greedy_decode.py`` may run this model's decode steps: ``_can_fuse_decode``'s conditions
+        that do not depend on the step, plus a float32 / bfloat16 embedding table the activations equal or
+        widen exactly, and a plain float32 / bfloat16 LM head (which ``Linear`` sends to ``small_gemm``)."""
+        dtype, kv_dtype = self.compute_dtype, kv_caches[0][0].dtype
+        emb, head = self.embed_tokens, self.lm_head
+        return (dtype in (torch.float32, torch.bfloat16) and kv_caches[0][0].device.type == "cpu"
+                and cpu_kernels.native_available() and self.fuse_decode and self.tp is None
+                and self._weight_fmt() is not None
+                and (kv_dtype == dtype or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
+                and type(emb) is nn.Embedding and emb.weight.device.type == "cpu"
+                and (emb.weight.dtype == dtype or (emb.weight.dtype, dtype) == (torch.bfloat16, torch.float32))
+                and type(head) is Linear and head.bias is None and head.weight.dtype in (torch.float32, torch.bfloat16)
+                and head.weight.is_contiguous() and emb.weight.is_contiguous())
+
     def _fused_decode(self, x: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         assert meta.native_decode is not None
+        block_tables, seq_lens = meta.native_decode
+        args = self.decode_step_args(kv_caches)
+        return cpu_kernels.decode_step(
+            x.contiguous(), args.layer_ptrs, self.norm.weight, positions, meta.slot_mapping, block_tables,
+            seq_lens, args.block_size, self.rotary.cos, self.rotary.sin, args.num_heads, args.num_kv_heads,
+            args.head_dim, args.intermediate_size, args.eps, args.scale, args.weight_fmt, args.kv_fmt)
+
+    def decode_step_args(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_kernels.DecodeStepArgs:
+        """What ``decode_step.c`` needs of this model and its KV cache (the per-layer weight and cache addresses),
+        made once per cache and kept. Only meaningful where ``_can_fuse_decode`` holds (a float, int8 or GGUF
+        weight format shared by every projection)."""
         key = (kv_caches[0][0].data_ptr(), len(kv_caches))
         if self._layer_ptrs is None or self._layer_ptrs[0] != key:
             rows = []
@@ -214,16 +240,15 @@ class LlamaForCausalLM(nn.Module):
                              0 if bias is None else bias.data_ptr(), _weight_ptr(attn.o_proj),
                              layer.post_attention_layernorm.weight.data_ptr(), _weight_ptr(mlp.gate_up_proj),
                              _weight_ptr(mlp.down_proj), k_cache.data_ptr(), v_cache.data_ptr()])
-            self._layer_ptrs = (key, torch.tensor(rows, dtype=torch.int64))
+            cfg, cache = self.config, kv_caches[0][0]
+            args = cpu_kernels.DecodeStepArgs(
+                torch.tensor(rows, dtype=torch.int64), self.norm.weight, self.rotary.cos, self.rotary.sin,
+                cache.shape[1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                cfg.intermediate_size, cfg.rms_norm_eps, cast(DecoderLayer, self.layers[0]).self_attn.scale,
+                cast(int, self._weight_fmt()), format_code(cache) if is_kv8(cache.dtype) else 0)
+            self._layer_ptrs = (key, args)
             self._layer_keepalive = biases
-        cfg = self.config
-        block_tables, seq_lens = meta.native_decode
-        return cpu_kernels.decode_step(
-            x.contiguous(), self._layer_ptrs[1], self.norm.weight, positions, meta.slot_mapping, block_tables,
-            seq_lens, kv_caches[0][0].shape[1], self.rotary.cos, self.rotary.sin, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            cast(DecoderLayer, self.layers[0]).self_attn.scale, cast(int, self._weight_fmt()),
-            format_code(kv_caches[0][0]) if is_kv8(kv_caches[0][0].dtype) else 0)
+        return self._layer_ptrs[1]
 
     def _weight_fmt(self) -> int | None:
         """decode_step's weight code of the decoder layers' projections: 0 float32, 1 bfloat16, 2 int8, 3 GGUF
@@ -253,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
         ever allocated for them. A tied LM head stops sharing the embedding: the table keeps the model
         dtype for lookups; the head holds its own int8 copy."""
         self._weight_fmt_cache = None
+        self._layer_ptrs = None  # (the weights the pointers referred to changed)
         targets: list[tuple[nn.Module, str]] = [(self, "lm_head")] if lm_head else []
         for layer in cast(list[DecoderLayer], list(self.layers)):
             targets += [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
@@ -273,6 +299,7 @@ class LlamaForCausalLM(nn.Module):
                 and quantized parts.
         """
         self._weight_fmt_cache = None
+        self._layer_ptrs = None  # (the weights the pointers referred to changed)
         cfg = self.config
 
         def parts(names: list[str]) -> list[GGUFTensor] | None:
@@ -340,6 +367,7 @@ class LlamaForCausalLM(nn.Module):
             ValueError: a tensor is missing or has the wrong shape or format.
         """
         self._weight_fmt_cache = None
+        self._layer_ptrs = None  # (the weights the pointers referred to changed)
         cfg = self.config
         params = dict(self.named_parameters())
 

@@ -45,6 +45,10 @@ class LogitsProcessor(Protocol):
         """Forget the state of these (finished or aborted) requests; unknown ids are ignored."""
         ...
 
+    # Optional: ``acts_on(request) -> bool``, False when the processor leaves that request's row untouched
+    # (decided from its parameters alone). It lets a step whose rows no processor touches skip the logits
+    # entirely (``worker/greedy_decode.py``); a processor without it is assumed to act on every row.
+
 
 class LogitsProcessors:
     """An ordered list of processors, applied one after the other (the first added runs first)."""
@@ -63,6 +67,14 @@ class LogitsProcessors:
         """Run every processor on ``logits`` ``[S, V]`` (in place)."""
         for processor in self._processors:
             processor(logits, requests)
+
+    def act_on_any(self, requests: Sequence[Request]) -> bool:
+        """Whether some processor may edit the row of one of ``requests`` (one without ``acts_on``: yes)."""
+        for processor in self._processors:
+            acts_on = getattr(processor, "acts_on", None)
+            if acts_on is None or any(acts_on(r) for r in requests):
+                return True
+        return False
 
     def release(self, request_ids: Sequence[str]) -> None:
         """Tell every processor these requests are gone."""

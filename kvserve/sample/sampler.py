@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.layers import cpu_kernels
 from kvserve.sampling_params import SamplingParams
 
 # Rows with temperature below this sample greedily; the same threshold as SamplingParams.greedy (and vLLM).
@@ -208,7 +209,7 @@ class Sampler:
 
         if metadata.all_greedy:
             # (4) greedy only: no temperature, truncation or noise work at all.
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax(logits)
         else:
             # (5) random rows; greedy rows in a mixed batch are sampled too (cheaper than gathering the
             # random rows into a new tensor) and then replaced by (4) their argmax.
@@ -216,12 +217,21 @@ class Sampler:
             sampled = exponential_race(probs, metadata.generators)
             if not metadata.all_random:
                 is_greedy = metadata.temperature < _SAMPLING_EPS
-                sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(is_greedy, argmax(logits), sampled)
 
         logprobs = None
         if full_logprobs is not None and metadata.max_num_logprobs is not None:
             logprobs = gather_logprobs(full_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of ``[S, V]`` logits; on CPU the native kernel (``decode_io.c``, the same index:
+    torch's took 45-85 us for one 49,152-entry row on the 2-vCPU Zen 4 host, the kernel a few us)."""
+    if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16)
+            and cpu_kernels.native_available()):
+        return cpu_kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -385,7 +395,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     # Exponential noise of exactly 0 (possible in some backends' float32 samplers) would turn a filtered
     # token's 0 / 0 into NaN, which argmax treats as the maximum; the smallest normal float keeps it finite.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
 
 
 def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:

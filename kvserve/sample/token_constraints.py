@@ -109,5 +109,9 @@ class TokenConstraints:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         apply_token_constraints(logits, requests)
 
+    def acts_on(self, request: Request) -> bool:
+        """Whether the request has constraints (``LogitsProcessor``'s optional hook)."""
+        return uses_token_constraints(request.sampling_params)
+
     def release(self, request_ids: Iterable[str]) -> None:
         """Nothing to forget: the constraints live in each request's SamplingParams."""

@@ -47,6 +47,10 @@ class StructuredOutputProcessor:
         self.backend = backend
         self._states: dict[str, _State] = {}
 
+    def acts_on(self, request: Request) -> bool:
+        """Whether the request asks for structured output (``LogitsProcessor``'s optional hook)."""
+        return request.sampling_params.structured_outputs is not None
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         """Mask the rows of structured-output requests in ``logits`` ``[S, V]`` (in place)."""
         rows = [i for i, r in enumerate(requests) if r.sampling_params.structured_outputs is not None]

@@ -38,6 +38,7 @@ from kvserve.sample.token_constraints import TokenConstraints
 from kvserve.sampling_params import SamplingParams
 from kvserve.spec_decode.proposer import Proposer
 from kvserve.spec_decode.verify import mask_before_min_tokens, verify_drafts
+from kvserve.worker.greedy_decode import GreedyDecode
 from kvserve.worker.host_memory import move_parameters_to_hugepages
 from kvserve.worker.input_batch import prepare_inputs
 from kvserve.worker.kv_cache import allocate_host_swap_pool, allocate_kv_cache, block_bytes
@@ -159,6 +160,11 @@ class ModelRunner:
         self.kv_groups: list[tuple[KVCache, KVCache]] = [(self.kv_caches, self.host_kv_caches)]
         self.last_forward_seconds = 0.0  # the target forward of the latest step (the k controller's input)
         self.last_forward_tokens = 0
+        # Plain greedy decode steps in four native calls (worker/greedy_decode.py); made at the first step the
+        # model allows it. Tests switch ``greedy_fast_path`` off to compare with the general path.
+        self.greedy_fast_path = True
+        self._greedy: GreedyDecode | None = None
+        self._greedy_checked = False
 
     def add_kv_group(self, caches: KVCache, host_pool: KVCache, group_block_bytes: int) -> None:
         """Register another model's paged KV cache (a draft model's): same block ids, copied on
@@ -246,6 +252,12 @@ class ModelRunner:
         """The forward and the sampling of a step with scheduled requests (``execute_model``'s second half;
         it fills in the step's swap and offload accounting)."""
         scheduled, draft_probs = so.scheduled, None
+        if self.proposer is None and self.tp is None and self.greedy_fast_path:
+            greedy = self._greedy_path()
+            if greedy is not None and greedy.eligible(scheduled, self.logits_processors):
+                tokens = greedy.run(scheduled)
+                return ModelRunnerOutput(req_ids=[s.request.request_id for s in scheduled],
+                                         sampled_token_ids=[[t] for t in tokens])
         if self.proposer is not None:
             scheduled, draft_probs = self.proposer.propose(so.scheduled)
         decodes = sorted((s for s in scheduled if s.num_scheduled_tokens == 1), key=lambda s: s.num_computed_tokens)
@@ -307,6 +319,14 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=[r.request_id for r in requests], sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  num_draft_tokens=[0] * len(requests) if self.proposer is not None else None)
+
+    def _greedy_path(self) -> GreedyDecode | None:
+        """The native greedy decode path, made on first use where the model allows it (else None)."""
+        if not self._greedy_checked:
+            self._greedy_checked = True
+            if self.device.type == "cpu" and self.model.native_greedy_decode_ok(self.kv_caches):
+                self._greedy = GreedyDecode(self.model, self.kv_caches)
+        return self._greedy
 
     def _verify_step(self, sampling: list[ScheduledRequest], logits: torch.Tensor, draft_probs: torch.Tensor | None,
                      prompt_logprobs: dict[str, PromptLogprobsChunk]) -> ModelRunnerOutput:
