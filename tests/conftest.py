@@ -54,3 +54,25 @@ def hf_smollm2(smollm2_path: Path) -> Any:
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
                                                  dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random HF folder: qwen2 (QKV bias, untied head, GQA) or llama (tied head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    path = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    torch.manual_seed(0)
+    common = dict(vocab_size=600, hidden_size=128, intermediate_size=200, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.2,
+                  rope_theta=10000.0)
+    if request.param == "qwen2":
+        hf = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common)).eval()
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    else:
+        hf = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common)).eval()
+    hf.save_pretrained(path)
+    return path

@@ -106,28 +106,6 @@ PROMPTS = [[5, 17, 300], [(7 * i + 3) % 600 for i in range(19)], [(11 * i + 1) %
            [9], [(13 * i + 2) % 600 for i in range(33)], [(3 * i + 5) % 600 for i in range(16)]]
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
-def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random HF folder: qwen2 (QKV bias, untied head, GQA) or llama (tied head)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    path = tmp_path_factory.mktemp(f"greedy_{request.param}")
-    torch.manual_seed(0)
-    common = dict(vocab_size=600, hidden_size=128, intermediate_size=200, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.2,
-                  rope_theta=10000.0)
-    if request.param == "qwen2":
-        hf = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common)).eval()
-        with torch.no_grad():
-            for layer in hf.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
-    else:
-        hf = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common)).eval()
-    hf.save_pretrained(path)
-    return path
-
-
 class _Counter:
     """Counts the fast path's steps (wraps ``GreedyDecode.run``)."""
 
