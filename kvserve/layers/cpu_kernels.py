@@ -393,13 +393,10 @@ def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Ten
     assert x.is_contiguous() and final_norm.dtype == x.dtype
     out = torch.empty_like(x)
     block_tables = block_tables.contiguous()
-    rc = _lib().decode_step(
-        x.data_ptr(), out.data_ptr(), layer_ptrs.data_ptr(), layer_ptrs.shape[0], final_norm.data_ptr(),
-        positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        block_tables.shape[1], block_size, cos.data_ptr(), sin.data_ptr(), m, h, num_heads, num_kv_heads,
-        head_dim, intermediate_size, eps, scale, weight_fmt, _bf16_flag(x), kv_fmt, torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"decode_step failed with code {rc}")
+    args = DecodeStepArgs(layer_ptrs, final_norm, cos, sin, block_size, num_heads, num_kv_heads, head_dim,
+                          intermediate_size, eps, scale, weight_fmt, kv_fmt)
+    decode_step_ptrs(args, x.data_ptr(), out.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
+                     block_tables.data_ptr(), seq_lens.data_ptr(), block_tables.shape[1], m, h, _bf16_flag(x))
     return out
 
 

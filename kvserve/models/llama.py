@@ -191,10 +191,15 @@ class LlamaForCausalLM(nn.Module):
         emb = self.embed_tokens
         return (meta.native_decode is not None and meta.num_decode_tokens == x.shape[0] <= small_m_max(x.dtype)
                 and not meta.prefill_groups and meta.native_prefill is None and use_native(x)
-                and (kv_dtype == x.dtype or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
-                and self.fuse_decode and self._weight_fmt() is not None
-                and (isinstance(emb, GGUFEmbedding) or emb.weight.dtype in (torch.float32, torch.bfloat16))
-                and self.tp is None)
+                and self._decode_fusable(x.dtype, kv_dtype)
+                and (isinstance(emb, GGUFEmbedding) or emb.weight.dtype in (torch.float32, torch.bfloat16)))
+
+    def _decode_fusable(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """``decode_step.c`` can run this model with ``dtype`` activations over a ``kv_dtype`` cache: a cache of the
+        same dtype or an 8-bit one whose native variant is built, one weight format for every projection, the
+        fused decode switched on, no tensor parallelism."""
+        return ((kv_dtype == dtype or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
+                and self.fuse_decode and self._weight_fmt() is not None and self.tp is None)
 
     def native_greedy_decode_ok(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether ``worker/greedy_decode.py`` may run this model's decode steps: ``_can_fuse_decode``'s conditions
@@ -203,9 +208,7 @@ class LlamaForCausalLM(nn.Module):
         dtype, kv_dtype = self.compute_dtype, kv_caches[0][0].dtype
         emb, head = self.embed_tokens, self.lm_head
         return (dtype in (torch.float32, torch.bfloat16) and kv_caches[0][0].device.type == "cpu"
-                and cpu_kernels.native_available() and self.fuse_decode and self.tp is None
-                and self._weight_fmt() is not None
-                and (kv_dtype == dtype or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
+                and cpu_kernels.native_available() and self._decode_fusable(dtype, kv_dtype)
                 and type(emb) is nn.Embedding and emb.weight.device.type == "cpu"
                 and (emb.weight.dtype == dtype or (emb.weight.dtype, dtype) == (torch.bfloat16, torch.float32))
                 and type(head) is Linear and head.bias is None and head.weight.dtype in (torch.float32, torch.bfloat16)
