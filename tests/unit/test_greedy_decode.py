@@ -166,3 +166,26 @@ def test_rows_that_need_logits_take_the_general_path(tiny_model: Path, monkeypat
     expected = _generate(llm, PROMPTS[:1], [eos], fast=False)
     assert _generate(llm, PROMPTS[:1], [eos], fast=True) == expected
     assert count.steps == len(expected[0]) - 5
+
+
+def test_a_failing_fast_step_fails_its_requests_and_frees_their_blocks(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="float32",
+              enable_prefix_caching=False, num_threads=2)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("doomed", {"prompt_token_ids": PROMPTS[1]}, sp)
+    outs = engine.step()  # the prefill (general path) samples the first token
+    path = engine.runner._greedy_path()
+    assert path is not None and outs and not outs[0].finished
+    real = path.embedding
+    path.embedding = real[:1]  # every id but 0 is now outside the table: embed_rows refuses the step
+    try:
+        outs = engine.step()
+    finally:
+        path.embedding = real
+    assert [o.request_id for o in outs] == ["doomed"] and outs[0].finished
+    assert outs[0].outputs[0].finish_reason == "error" and "outside the embedding table" in (outs[0].error or "")
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+    # the engine keeps serving, on the fast path again
+    assert len(_generate(llm, PROMPTS[:1], [sp], fast=True)[0]) == 8
