@@ -156,7 +156,11 @@ static inline __attribute__((always_inline)) __m512 qk_tile(const __m512 *qv, co
 }
 
 /* o[g] += sum_i p[g][i] * v(i) over the n keys of a tile for GC query heads; o: float32 [GC][D] (in/out),
- * p rows of stride ps. */
+ * p rows of stride ps. A bfloat16 V row is widened 32 values at a time by interleaving its 16-bit words
+ * with zeros (`vpunpcklwd` / `vpunpckhwd`: one instruction per 16 values, where zero-extend + shift take
+ * two): exact, but the 16 floats of each vector are a fixed permutation of the row's order, so with a bf16
+ * cache o is kept in that order across the tiles and put back by v_lanes_natural after the last one. Each
+ * output element gets the same products in the same order as the float32 path (bitwise equal results). */
 static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_t ps, const void *vc, int vbf16,
                                                           const int64_t *offs, int64_t hD, int n, int DV, int GC,
                                                           float *o, int64_t D) {
@@ -165,7 +169,15 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_
         for (int v = 0; v < DV; v++) acc[g][v] = _mm512_loadu_ps(o + g * D + 16 * v);
     for (int i = 0; i < n; i++) {
         __m512 vv[8];
-        for (int v = 0; v < DV; v++) vv[v] = load16(vc, offs[i] + hD + 16 * v, vbf16);
+        if (vbf16) { /* 32 values per load, widened exactly in lane-permuted order (see v_lanes_natural) */
+            for (int v = 0; v < DV; v += 2) {
+                const __m512i raw = _mm512_loadu_si512((const uint16_t *)vc + offs[i] + hD + 16 * v);
+                vv[v] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), raw));
+                vv[v + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), raw));
+            }
+        } else {
+            for (int v = 0; v < DV; v++) vv[v] = load16(vc, offs[i] + hD + 16 * v, 0);
+        }
         for (int g = 0; g < GC; g++) {
             const __m512 pg = _mm512_set1_ps(p[g * ps + i]);
             for (int v = 0; v < DV; v++) acc[g][v] = _mm512_fmadd_ps(pg, vv[v], acc[g][v]);
@@ -173,6 +185,20 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, int64_
     }
     for (int g = 0; g < GC; g++)
         for (int v = 0; v < DV; v++) _mm512_storeu_ps(o + g * D + 16 * v, acc[g][v]);
+}
+
+/* Undo pv_tile's bf16 lane order in place for rows of D floats: within each 32-value group, vector 2c holds
+ * values 8L + r (r < 4) at lane 4L + r and vector 2c + 1 holds 8L + 4 + r there (L = 0..3: 128-bit lanes). */
+static inline void v_lanes_natural(float *o, int64_t rows, int64_t D) {
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < D; c += 32) {
+            float *x = o + r * D + c;
+            const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+            _mm512_storeu_ps(x, _mm512_permutex2var_ps(a, lo_idx, b));
+            _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(a, hi_idx, b));
+        }
 }
 
 #define PV(DVC, GCC) pv_tile(sc + (h * G + g0) * PART + t0, PART, j->v_cache, kbf16, offs + t0, h * D, n, DVC, GCC, \
@@ -269,6 +295,7 @@ static inline __attribute__((always_inline)) void part_avx512(const job_t *j, in
             }
         }
     }
+    if (kbf16) v_lanes_natural(o, HG, D);
 }
 
 /* The AVX-512 entry (head_dim 64 or 128, num_kv_heads * group <= MAX_HG). Returns 0, or -1 on allocation failure. */
