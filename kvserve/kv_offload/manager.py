@@ -10,7 +10,9 @@ A lookup whose run is all in host memory is loaded at once; anything slower is f
 thread while the request waits (it is passed over at admission, other requests go ahead), and admitted on
 the first step after its payloads are in. A block that fails to load (a fault, a damaged value) ends the
 run there: its tokens and the rest are recomputed. Stores never block a step: a full queue drops the
-block and counts it. Torch-free (payloads are bytes; the runner turns them into tensors).
+block and counts it. An evicted block still waiting for the writer is found all the same: lookups see it
+as held by the first local tier (``_pending``), so a request admitted a step after the eviction hits it
+whatever the writer's pace. Torch-free (payloads are bytes; the runner turns them into tensors).
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class OffloadManager:
         self._closed = False
         self._load_seconds: list[tuple[str, float]] = []  # (tier, seconds) per run loaded from one tier
         self._lock = threading.Lock()
+        # Evicted blocks queued for the local tiers and not yet stored: hash -> payload (under _lock).
+        self._pending: dict[bytes, bytes] = {}
+        self._first_local = self.local[0] if self.local else None
 
     # ---- admission (scheduler thread) ------------------------------------------------------------
     def lookup(self, request: Request, first_block: int, max_blocks: int) -> list[bytes] | None:
@@ -143,7 +148,7 @@ class OffloadManager:
         for tier in self.tiers:
             if pos >= len(keys):
                 break
-            n = tier.contains(keys[pos:])
+            n = self._contains(tier, keys[pos:])
             if n > 0:
                 segments.append((tier, n))
                 pos += n
@@ -167,13 +172,38 @@ class OffloadManager:
         self._fetches[rid] = _Fetch(first_block, self._pool.submit(self._load, plan))
         return None
 
+    def _contains(self, tier: KVTier, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, ``tier`` holds; for the first local tier, counting the
+        evicted blocks still queued for it (``tier.contains`` is asked once per run of stored blocks)."""
+        if tier is not self._first_local:
+            return tier.contains(keys)
+        n = 0
+        while n < len(keys):
+            with self._lock:
+                while n < len(keys) and keys[n] in self._pending:
+                    n += 1
+            if n >= len(keys):
+                break
+            m = tier.contains(keys[n:])
+            if m == 0:
+                break
+            n += m
+        return n
+
     def _load(self, plan: list[tuple[KVTier, list[bytes]]]) -> list[bytes]:
-        """Load the planned blocks in order; stop at the first that fails."""
+        """Load the planned blocks in order; stop at the first that fails. A block of the first local tier
+        still queued for the writer is taken from the queue's copy (the writer removes it only after storing
+        it, so it is always in one place or the other, unless the tier has evicted it since)."""
         out: list[bytes] = []
         for tier, keys in plan:
             t0 = time.perf_counter()
             for key in keys:
-                data = tier.load(key)
+                data = None
+                if tier is self._first_local:
+                    with self._lock:
+                        data = self._pending.get(key)
+                if data is None:
+                    data = tier.load(key)
                 if data is None:
                     with self._lock:
                         self.stats.failed_loads += 1
@@ -215,10 +245,16 @@ class OffloadManager:
             if self._closed:  # nobody writes any more
                 self.stats.stores_dropped += 1
                 continue
+            key, payload, evicted = item
             try:
+                if evicted and self._first_local is not None:
+                    with self._lock:
+                        self._pending[bytes(key)] = payload
                 self._queue.put_nowait(item)
                 self.stats.stores_queued += 1
             except queue.Full:
+                if evicted:
+                    self._unpend(bytes(key), payload)
                 self.stats.stores_dropped += 1
 
     def _write_loop(self) -> None:
@@ -228,12 +264,28 @@ class OffloadManager:
                 if item is None:
                     return
                 key, payload, evicted = item
-                for tier in self.local if evicted else self.remote:
-                    tier.store(bytes(key), payload)
+                try:
+                    for tier in self.local if evicted else self.remote:
+                        tier.store(bytes(key), payload)
+                finally:
+                    if evicted:
+                        self._unpend(bytes(key), payload)
             except Exception:  # noqa: BLE001 - a tier bug must not kill the writer
                 logger.exception("kv offload: storing a block failed")
             finally:
                 self._queue.task_done()
+
+    def _unpend(self, key: bytes, payload: bytes) -> None:
+        """Forget a queued block once stored (or dropped); a newer queued copy of the same key stays."""
+        with self._lock:
+            if self._pending.get(key) is payload:
+                del self._pending[key]
+
+    @property
+    def num_pending(self) -> int:
+        """Evicted blocks queued for the local tiers and not yet stored."""
+        with self._lock:
+            return len(self._pending)
 
     def flush(self) -> None:
         """Wait until every queued block has been stored (tests, shutdown); returns at once after ``close``."""

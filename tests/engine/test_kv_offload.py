@@ -334,6 +334,40 @@ def test_working_set_beyond_the_pool_hits_in_the_cpu_tier(
     _idle(llm)
 
 
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_an_evicted_block_still_queued_for_the_writer_is_a_hit(
+        tier: str, model_a: Path, ref_a: list[list[int]], make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """The writer stores evicted blocks a little later; a request admitted in between still hits them (a
+    stalled writer here; on a loaded host, a slow one: CI once saw a whole-batch repeat miss 4 tokens)."""
+    llm = make_llm(model_a, **_tier_kwargs(tier, tmp_path))
+    _force_fetch(llm)
+    offload, t = _off(llm), _tier(llm, tier)
+    gate = threading.Event()
+    real_store = t.store
+
+    def stalled_store(key: bytes, data: bytes) -> bool:
+        assert gate.wait(30)
+        return real_store(key, data)
+
+    t.store = stalled_store  # type: ignore[method-assign]
+    try:
+        for i in range(N_PROMPTS):
+            assert _run(llm, i) == (ref_a[i], 0)
+        assert t.stats.stores == 0 and offload.num_pending >= 4 * HIT // BS
+        loads = t.stats.loads
+        for i in (0, 1):  # evicted from the device, stored nowhere yet
+            assert _run(llm, i) == (ref_a[i], HIT)
+        assert _hit_tokens(llm) == {tier: 2 * HIT} and t.stats.loads == loads  # taken from the queue
+    finally:
+        gate.set()
+    offload.flush()
+    t.store = real_store  # type: ignore[method-assign]
+    assert offload.num_pending == 0 and t.stats.stores > 0
+    assert _run(llm, 2) == (ref_a[2], HIT)
+    assert t.stats.loads == loads + HIT // BS  # from the tier itself now
+    _idle(llm)
+
+
 def test_disk_tier_serves_the_next_engine_after_a_restart(
         model_a: Path, ref_a: list[list[int]], make_llm: Callable[..., LLM], tmp_path: Path) -> None:
     path = tmp_path / "kv-disk"
