@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = {  # file -> its own flags (fast-math only where reductions must reorder to vectorize)
     "small_gemm.c": ["-ffp-contract=fast"],
+    "panel_gemm.c": ["-ffp-contract=fast"],
     "paged_attention.c": ["-ffast-math", "-fno-finite-math-only"],
     "paged_attention_kv8.c": ["-ffast-math", "-fno-finite-math-only"],
     "fused_ops.c": ["-ffp-contract=off"],
@@ -100,6 +101,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "gguf_gemm": (ctypes.c_int, [_PTR, ctypes.c_int, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]),
     "gguf_gemm_features": (ctypes.c_int, []),
     "gguf_rowblock_bytes": (_I64, [_I64, _I64]),
+    "panel_gemm": (ctypes.c_int, [_PTR, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64, _I64]),
 }
 
 
@@ -218,9 +220,11 @@ def _bf16_flag(t: torch.Tensor) -> int:
 
 
 def gemm_features(lib: ctypes.CDLL | None = None) -> set[str]:
-    """Paths compiled into the library: ``{"avx512"}``, ``{"avx512", "avx512_bf16"}`` or empty (AVX2/generic)."""
+    """Paths compiled into the library: ``{"avx512"}``, ``{"avx512", "avx512_bf16"}``, ``{"avx2_panel"}``
+    (AVX2 + FMA builds without AVX-512: ``small_gemm`` hands float32 activations of ``PANEL_MIN_M`` = 12 rows
+    or more to ``panel_gemm``, which serves any M) or empty (generic builds)."""
     f = (lib or _lib()).small_gemm_features()
-    return {name for bit, name in ((1, "avx512"), (2, "avx512_bf16")) if f & bit}
+    return {name for bit, name in ((1, "avx512"), (2, "avx512_bf16"), (4, "avx2_panel")) if f & bit}
 
 
 def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -233,7 +237,8 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         bias: ``[N]`` float32 or None.
         lib: a library from ``build_library`` (tests); default: the process's library.
     Returns:
-        ``[M, N]`` in x's dtype; accumulation in float32 (bf16 x bf16 with AVX512-BF16: ``vdpbf16ps``).
+        ``[M, N]`` in x's dtype; accumulation in float32 (bf16 x bf16 with AVX512-BF16: ``vdpbf16ps``; float32
+        x of 12 rows or more on an AVX2 build: ``panel_gemm``'s tiles, see ``gemm_features``).
     Raises:
         RuntimeError: the kernels are unavailable or scratch memory could not be allocated.
         TypeError: an unsupported dtype.
@@ -249,6 +254,36 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                                     torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"small_gemm failed with code {rc}")
+    return out
+
+
+def panel_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` by ``panel_gemm.c`` (6 weight rows x 16 tokens per register tile, a bf16 weight
+    widened once per call in cache): what ``small_gemm`` runs from 12 float32 rows on in AVX2 builds; callable
+    at any M on any build (tests).
+
+    Args:
+        x: ``[M, K]`` float32 (a strided row view is copied to contiguous first).
+        weight: ``[N, K]`` float32 or bfloat16, contiguous.
+        bias: ``[N]`` float32 or None.
+        lib: a library from ``build_library`` (tests); default: the process's library.
+    Returns:
+        ``[M, N]`` float32, each element a float32 dot product accumulated in k order.
+    Raises:
+        RuntimeError: the kernels are unavailable or scratch memory could not be allocated.
+        TypeError: an unsupported weight dtype.
+    """
+    x = x.contiguous()
+    m, k = x.shape
+    assert x.dtype == torch.float32 and weight.shape[1] == k and weight.is_contiguous()
+    assert bias is None or bias.dtype == torch.float32
+    out = torch.empty(m, weight.shape[0], dtype=torch.float32)
+    rc = (lib or _lib()).panel_gemm(x.data_ptr(), weight.data_ptr(), _bf16_flag(weight),
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(), m, weight.shape[0], k,
+                                    torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"panel_gemm failed with code {rc}")
     return out
 
 

@@ -49,7 +49,7 @@ def _ref_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
 
 
 @pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
-@pytest.mark.parametrize("m", [1, 3, 8, 17])
+@pytest.mark.parametrize("m", [1, 3, 8, 12, 17, 40])  # (12 and up: panel_gemm's tiles in AVX2 builds)
 @pytest.mark.parametrize("n,k", [(130, 576), (5, 100), (1, 37), (67, 1536)])
 def test_small_gemm_f32_matches_linear(path: str, m: int, n: int, k: int) -> None:
     lib = _lib_for(path)
@@ -62,7 +62,7 @@ def test_small_gemm_f32_matches_linear(path: str, m: int, n: int, k: int) -> Non
 
 
 @pytest.mark.parametrize("path", ["native", "avx2"])
-@pytest.mark.parametrize("m", [1, 3, 8, 17])
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 40])
 @pytest.mark.parametrize("n,k", [(130, 576), (5, 100), (9, 64)])
 def test_small_gemm_bf16_matches_linear(path: str, m: int, n: int, k: int) -> None:
     """bf16 activations and weights: float32 accumulation, the output rounded once to bf16, so the
@@ -146,6 +146,26 @@ def test_native_build_has_the_paths_the_cpu_allows() -> None:
     feats = cpu_kernels.gemm_features()
     assert ("avx512" in feats) == ("avx512f" in flags)
     assert ("avx512_bf16" in feats) == ("avx512_bf16" in flags)
+    assert ("avx2_panel" in feats) == ({"avx2", "fma"} <= flags and "avx512f" not in flags)
+
+
+@pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
+@pytest.mark.parametrize("wdtype", [torch.float32, BF16])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 5), (16, 6, 64), (17, 13, 33), (33, 100, 576), (70, 49, 1536)])
+def test_panel_gemm_matches_linear(path: str, wdtype: torch.dtype, m: int, n: int, k: int) -> None:
+    """Partial tiles in both directions (n not a multiple of 6, m of 16), bf16 weights widened exactly: float32
+    dot products, equal to float64 math to float32 accumulation noise; the AVX2 build's features name it."""
+    lib = _lib_for(path)
+    if path == "avx2":
+        assert "avx2_panel" in cpu_kernels.gemm_features(lib)  # type: ignore[arg-type]
+    if path == "sse2":
+        assert cpu_kernels.gemm_features(lib) == set()  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(m * 31 + n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g).to(wdtype), torch.randn(n, generator=g)
+    for bias in (None, b):
+        out = cpu_kernels.panel_gemm(x, w, bias, lib=lib)  # type: ignore[arg-type]
+        assert out.shape == (m, n)
+        torch.testing.assert_close(out.double(), _ref_linear(x, w, bias), rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
