@@ -98,16 +98,7 @@ static inline void micro(const float *restrict wt, const float *restrict xp, int
     }
 }
 
-/* 1 where this build has the AVX2 + FMA micro-kernel the engine uses it for (other builds compute the same
- * results, slower). */
-int panel_gemm_features(void) {
-#if defined(__AVX2__) && defined(__FMA__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
+/* Which builds route to it: small_gemm_features() bit 4 (small_gemm.c's PANEL_PATH). */
 /* x [M, K] float32; w [N, K] float32 (w_bf16 0) or bfloat16 (1); bias [N] float32 or NULL; out [M, N] float32.
  * Returns 0, or -1 when scratch memory could not be allocated. */
 int panel_gemm(const float *x, const void *w, int w_bf16, const float *bias, float *out, int64_t M, int64_t N,

@@ -339,9 +339,8 @@ static void gemm_dpbf16(const uint16_t *xh, const uint16_t *w, const float *bias
 }
 #endif
 
-/* The entry point. x_dtype / w_dtype / out follow: 0 = float32, 1 = bfloat16 (out has x's dtype).
- * bias: float32 [N] or NULL. Returns 0, or -1 when scratch memory could not be allocated. */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PANEL_PATH 1
 /* From this many float32 token rows on, an AVX2 build hands the product to panel_gemm.c: its 6 x 16
  * register tiles reuse each weight value for 16 tokens where the tiles here hold 2, and at M = 12 that
  * overtakes reading the weight once (SmolLM2's linears, 2 threads, Zen 3: 28 vs 33 ms at M = 12, 28 vs
@@ -351,9 +350,11 @@ int panel_gemm(const float *x, const void *w, int w_bf16, const float *bias, flo
                int64_t K, int64_t num_threads);
 #endif
 
+/* The entry point. x_dtype / w_dtype / out follow: 0 = float32, 1 = bfloat16 (out has x's dtype).
+ * bias: float32 [N] or NULL. Returns 0, or -1 when scratch memory could not be allocated. */
 int small_gemm(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias, void *out,
                int64_t M, int64_t N, int64_t K, int64_t num_threads) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef PANEL_PATH
     if (!x_bf16 && M >= PANEL_MIN_M) return panel_gemm((const float *)x, w, w_bf16, bias, (float *)out, M, N, K, num_threads);
 #endif
     const int nthreads = num_threads > 0 ? (int)num_threads : 1;
@@ -410,7 +411,7 @@ int small_gemm_features(void) {
 #if defined(__AVX512BF16__)
     f |= 2;
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifdef PANEL_PATH
     f |= 4; /* float32 rows from PANEL_MIN_M on go to panel_gemm */
 #endif
     return f;
