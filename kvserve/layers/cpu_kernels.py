@@ -57,6 +57,7 @@ _SOURCES = {  # file -> its own flags (fast-math only where reductions must reor
     "panel_gemm.c": ["-ffp-contract=fast"],
     "paged_attention.c": ["-ffast-math", "-fno-finite-math-only"],
     "paged_attention_kv8.c": ["-ffast-math", "-fno-finite-math-only"],
+    "paged_attention_avx2.c": ["-ffast-math", "-fno-finite-math-only"],
     "fused_ops.c": ["-ffp-contract=off"],
     "decode_step.c": [],
     "decode_io.c": [],

@@ -279,6 +279,42 @@ def test_paged_decode_attention_long_sequences(path: str, dtype: torch.dtype, he
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("path", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("num_seqs", [1, 3, 9])
+@pytest.mark.parametrize("layout", ["in_order", "runs", "scattered"])
+def test_paged_decode_attention_item_splits_and_block_layouts(path: str, dtype: torch.dtype, num_seqs: int,
+                                                               layout: str) -> None:
+    """The AVX2 path's two item splits ((sequence, KV head) below 4 sequences per thread, whole sequences from
+    there) and its prefetch rule (only blocks that do not follow the current one in memory) over block tables
+    in memory order, in runs of 2 blocks, and scattered; 1 and 2 threads. Equal to float64 math (1e-5)."""
+    lib = _lib_for(path)
+    g = torch.Generator().manual_seed(num_seqs)
+    bs, hk, grp, d = 16, 3, 3, 64
+    lens = torch.randint(1, 150, (num_seqs,), generator=g)
+    lens[0] = 150  # 9 full blocks and a partial one
+    per = 10
+    nb = num_seqs * per
+    ids = torch.arange(nb)
+    if layout == "runs":
+        ids = torch.cat([r for i in torch.randperm(nb // 2, generator=g) for r in [ids[2 * i:2 * i + 2]]])
+    elif layout == "scattered":
+        ids = torch.randperm(nb, generator=g)
+    tables = ids.view(num_seqs, per).contiguous()
+    kc = torch.randn(nb, bs, hk, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, hk, d, generator=g).to(dtype)
+    q = torch.randn(num_seqs, hk, grp, d, generator=g)
+    ref = _ref_decode_attention(q, kc, vc, tables, lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = cpu_kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.125, lib=lib)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_no_compiler_means_no_library_and_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     assert cpu_kernels.build_library("native", compiler="/nonexistent/cc") is None
     assert "no C compiler" in caplog.text

@@ -11,6 +11,7 @@
  * all `group` query heads), a numerically stable softmax (max subtracted), then out = sum p * v.
  * Work items (sequence, KV head) are split over OpenMP threads (the runtime torch loaded: one pool).
  * A bfloat16 cache is widened to float32 as each K/V row is read (shift left 16); the math is float32.
+ * AVX2 builds (no AVX-512) take paged_attention_avx2.c for head_dim a multiple of 64; the AVX-512 path is below.
  * Reference: the plain softmax(q k^T / sqrt(d)) v of Vaswani et al. 2017; the paged layout of
  * Kwon et al. 2023 (vLLM). The torch path in attention.py is the oracle it is tested against.
  */
@@ -21,6 +22,7 @@
 
 #include "avx512_util.h"
 #include "bf16.h"
+#include "decode_job.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -28,14 +30,6 @@
 /* glibc's libmvec has a vector expf; declaring it lets the softmax loop vectorize without -fopenmp. */
 __attribute__((simd("notinbranch"))) float expf(float);
 
-typedef struct {
-    const float *q;
-    const void *k_cache, *v_cache;
-    const int64_t *block_tables, *seq_lens;
-    float *out;
-    int64_t num_seqs, num_kv_heads, group, head_dim, block_size, max_blocks;
-    float scale;
-} job_t;
 
 /* The hot loops with head_dim and the cache type known at compile time (so they vectorize fully);
  * D = 0 means "any". Loops run over the blocks of the table (no division per key); each K and V row
@@ -375,8 +369,11 @@ int paged_decode_attention(const float *q, const void *k_cache, const void *v_ca
 #endif
     int64_t max_len = 1;
     for (int64_t s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
-    const int64_t items = num_seqs * num_kv_heads;
     int nt = num_threads > 0 ? (int)num_threads : 1;
+#ifdef AVX2_DECODE
+    if (head_dim % 64 == 0) return decode_attention_avx2(&j, kv_bf16, max_len, nt);
+#endif
+    const int64_t items = num_seqs * num_kv_heads;
     if (nt > items) nt = (int)items;
     const size_t per_thread = (size_t)(group * max_len + 1);
     float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);
