@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled on first use with the system C compiler and called through ctypes.
 
-Eight sources under ``csrc/`` build one shared library:
+The sources under ``csrc/`` build one shared library:
 
 * ``small_gemm.c``: the linear layers and the LM head at small M (decode): weights streamed at the memory
   bandwidth, float32 or bfloat16 weights, AVX2/AVX-512 FMA or AVX512-BF16 dot products;
 * ``paged_attention.c``: decode attention reading K/V in place from the paged cache (float32 or bfloat16);
+  AVX2 builds hand head_dim multiples of 64 to ``paged_attention_avx2.c`` (register-blocked, ``decode_job.h``);
 * ``paged_attention_kv8.c``: the same over an 8-bit cache (int8 codes with a scale per 16 channels, fp8 codes
   with a scale per row, ``kv8.h``), dequantizing in registers;
 * ``prefill_attention.c``: prefill attention (fresh prompts and chunks continuing a cached prefix) over
