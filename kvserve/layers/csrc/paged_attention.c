@@ -30,7 +30,6 @@
 /* glibc's libmvec has a vector expf; declaring it lets the softmax loop vectorize without -fopenmp. */
 __attribute__((simd("notinbranch"))) float expf(float);
 
-
 /* The hot loops with head_dim and the cache type known at compile time (so they vectorize fully);
  * D = 0 means "any". Loops run over the blocks of the table (no division per key); each K and V row
  * is read once for all `group` query heads. */
