@@ -49,7 +49,8 @@ def _ref_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tor
 
 
 @pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
-@pytest.mark.parametrize("m", [1, 3, 8, 12, 17, 40])  # (12 and up: panel_gemm's tiles in AVX2 builds)
+# (AVX2 builds: 1-11 the row loop, in groups of 4 tokens; 12 and up panel_gemm's tiles)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 12, 17, 40])
 @pytest.mark.parametrize("n,k", [(130, 576), (5, 100), (1, 37), (67, 1536)])
 def test_small_gemm_f32_matches_linear(path: str, m: int, n: int, k: int) -> None:
     lib = _lib_for(path)
@@ -62,7 +63,7 @@ def test_small_gemm_f32_matches_linear(path: str, m: int, n: int, k: int) -> Non
 
 
 @pytest.mark.parametrize("path", ["native", "avx2"])
-@pytest.mark.parametrize("m", [1, 3, 8, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 17, 40])
 @pytest.mark.parametrize("n,k", [(130, 576), (5, 100), (9, 64)])
 def test_small_gemm_bf16_matches_linear(path: str, m: int, n: int, k: int) -> None:
     """bf16 activations and weights: float32 accumulation, the output rounded once to bf16, so the
