@@ -3,8 +3,9 @@
  * float32 or bfloat16 caches widened in registers. The scalar loops there are its reference in the tests.
  *
  * Items: whole sequences (every KV head; each block's rows are read whole, and stay in L1 across the heads)
- * when there are WHOLE_ROW_MIN_SEQS_PER_THREAD sequences or more per thread, else (sequence, KV head) so that
- * a few sequences still spread over the threads. Per item, block by block:
+ * when there are WHOLE_ROW_MIN_SEQS_PER_THREAD sequences or more per thread, else partitions of a sequence's
+ * blocks (every KV head), merged afterwards, so that a few sequences still spread over the threads (see
+ * decode_attention_avx2). Per item, block by block:
  *   scores: per KV head, query head of its group and 64-wide chunk of D, q's chunk held in 8 vectors; 4 keys
  *           at a time accumulate 4 vectors whose horizontal sums come out of one hadd tree (the scalar loop pays
  *           a full reduction per key and head);
@@ -56,13 +57,18 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *p, in
     for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(p + c, _MM_HINT_T0);
 }
 
-/* Heads h0 .. h1-1 of sequence s; scores: [(h1 - h0) * G, len] scratch. */
+/* Heads h0 .. h1-1 of sequence s over its keys [lo, hi) (lo a multiple of the block size); scores:
+ * [(h1 - h0) * G, hi - lo] scratch. With ml NULL the keys are the whole sequence and the normalized output goes
+ * to j->out; otherwise the unnormalized partial output goes to o_part [(h1 - h0) * G, D], the rows' score maxima
+ * to ml[0 .. (h1-h0)G) and their sums of exp(score - max) to ml[(h1-h0)G ..), for merge_parts. */
 static inline __attribute__((always_inline)) void item_avx2(const job_t *j, int64_t s, int64_t h0, int64_t h1,
-                                                            float *scores, int bf16) {
+                                                            int64_t lo, int64_t hi, float *scores, float *o_part,
+                                                            float *ml, int bf16) {
     const int64_t G = j->group, H = j->num_kv_heads, BS = j->block_size, D = j->head_dim;
     const int64_t row = H * D, esz = bf16 ? 2 : 4, rbytes = D * esz;
-    const int64_t len = j->seq_lens[s], num_blocks = (len + BS - 1) / BS;
-    const int64_t *table = j->block_tables + s * j->max_blocks;
+    const int64_t len = hi - lo, num_blocks = (len + BS - 1) / BS;
+    const int64_t *table = j->block_tables + s * j->max_blocks + lo / BS;
+    float *obase = ml ? o_part : j->out + (s * H + h0) * G * D;
     const char *kc = (const char *)j->k_cache, *vc = (const char *)j->v_cache;
     const __m128 sv = _mm_set1_ps(j->scale);
     for (int64_t b = 0; b < num_blocks; b++) {
@@ -124,10 +130,15 @@ static inline __attribute__((always_inline)) void item_avx2(const job_t *j, int6
         float sum = 0.f;
         _Pragma("omp simd reduction(+:sum)")
         for (int64_t u = 0; u < len; u++) { sc[u] = expf(sc[u] - m); sum += sc[u]; }
-        const float inv = 1.f / sum;
-        for (int64_t u = 0; u < len; u++) sc[u] *= inv;
+        if (ml) {
+            ml[r] = m;
+            ml[(h1 - h0) * G + r] = sum;
+        } else {
+            const float inv = 1.f / sum;
+            for (int64_t u = 0; u < len; u++) sc[u] *= inv;
+        }
     }
-    for (int64_t h = h0; h < h1; h++) memset(j->out + (s * H + h) * G * D, 0, sizeof(float) * (size_t)(G * D));
+    memset(obase, 0, sizeof(float) * (size_t)((h1 - h0) * G * D));
     for (int64_t b = 0; b < num_blocks; b++) {
         const int64_t n = len - b * BS < BS ? len - b * BS : BS;
         for (int64_t h = h0; h < h1; h++) {
@@ -137,7 +148,7 @@ static inline __attribute__((always_inline)) void item_avx2(const job_t *j, int6
             for (int64_t g = 0; g < G; g++) {
                 const float *p = scores + ((h - h0) * G + g) * len + b * BS;
                 for (int64_t c0 = 0; c0 < D; c0 += 64) {
-                    float *og = j->out + ((s * H + h) * G + g) * D + c0;
+                    float *og = obase + ((h - h0) * G + g) * D + c0;
                     __m256 acc[8];
                     for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(og + 8 * c);
                     const int pf = next != NULL && g == 0 && c0 == 0;
@@ -155,37 +166,96 @@ static inline __attribute__((always_inline)) void item_avx2(const job_t *j, int6
     }
 }
 
-static void item_avx2_f32(const job_t *j, int64_t s, int64_t h0, int64_t h1, float *scores) {
-    item_avx2(j, s, h0, h1, scores, 0);
+static void item_avx2_f32(const job_t *j, int64_t s, int64_t h0, int64_t h1, int64_t lo, int64_t hi, float *scores,
+                          float *o_part, float *ml) {
+    item_avx2(j, s, h0, h1, lo, hi, scores, o_part, ml, 0);
 }
-static void item_avx2_bf16(const job_t *j, int64_t s, int64_t h0, int64_t h1, float *scores) {
-    item_avx2(j, s, h0, h1, scores, 1);
+static void item_avx2_bf16(const job_t *j, int64_t s, int64_t h0, int64_t h1, int64_t lo, int64_t hi, float *scores,
+                           float *o_part, float *ml) {
+    item_avx2(j, s, h0, h1, lo, hi, scores, o_part, ml, 1);
 }
 
-/* The item split (see the top of the file); whole rows vs (sequence, head) items measured within noise at
- * batch 4-64 on Zen 3. */
+/* out rows of sequence s from its n partitions (each [HG, D] unnormalized, then HG maxima, HG sums): exact, the
+ * partial softmaxes rescaled to the common maximum (the flash-decoding merge). */
+static void merge_parts(const job_t *j, int64_t s, const float *parts, int64_t n) {
+    const int64_t HG = j->num_kv_heads * j->group, D = j->head_dim, per = HG * (D + 2);
+    float *out = j->out + s * HG * D;
+    for (int64_t x = 0; x < HG; x++) {
+        float mm = -INFINITY, ll = 0.f;
+        for (int64_t p = 0; p < n; p++) mm = parts[p * per + HG * D + x] > mm ? parts[p * per + HG * D + x] : mm;
+        float *o = out + x * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+        for (int64_t p = 0; p < n; p++) {
+            const float *part = parts + p * per;
+            const float w = expf(part[HG * D + x] - mm);
+            ll += w * part[HG * D + HG + x];
+            for (int64_t d = 0; d < D; d++) o[d] += w * part[x * D + d];
+        }
+        const float inv = 1.f / ll;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+/* Items (see the top of the file): with WHOLE_ROW_MIN_SEQS_PER_THREAD sequences per thread or more (or one thread),
+ * whole sequences; below, each sequence's keys are cut into partitions of whole blocks, every KV head per item,
+ * about PART_ITEMS_PER_THREAD items per thread in all, the partitions merged by merge_parts. A partition reads
+ * its blocks' rows whole, in the table's order, where a (sequence, KV head) item reads a head's 1/H of each
+ * row: at batch 1 (SmolLM2's 3 KV heads, 2 threads) that split gave one thread 2 of the 3 items. */
 #ifndef WHOLE_ROW_MIN_SEQS_PER_THREAD
 #define WHOLE_ROW_MIN_SEQS_PER_THREAD 4
 #endif
+#ifndef PART_ITEMS_PER_THREAD
+#define PART_ITEMS_PER_THREAD 2
+#endif
 int decode_attention_avx2(const job_t *j, int kv_bf16, int64_t max_len, int nt) {
-    const int whole = j->num_seqs >= (int64_t)WHOLE_ROW_MIN_SEQS_PER_THREAD * nt;
-    const int64_t hp = whole ? j->num_kv_heads : 1, items = j->num_seqs * (j->num_kv_heads / hp);
+    const int64_t B = j->num_seqs, H = j->num_kv_heads, HG = H * j->group, BS = j->block_size;
+    const int64_t per_part = HG * (j->head_dim + 2);
+    int64_t part = (max_len + BS - 1) / BS * BS; /* keys per item, whole blocks */
+    if (nt > 1 && B < (int64_t)WHOLE_ROW_MIN_SEQS_PER_THREAD * nt) {
+        int64_t total = 0;
+        for (int64_t s = 0; s < B; s++) total += j->seq_lens[s];
+        const int64_t want = (int64_t)PART_ITEMS_PER_THREAD * nt;
+        const int64_t p = ((total + want - 1) / want + BS - 1) / BS * BS;
+        part = p < part ? p : part;
+    }
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first item of each sequence */
+    if (first == NULL) return -1;
+    first[0] = 0;
+    for (int64_t s = 0; s < B; s++) first[s + 1] = first[s] + (j->seq_lens[s] + part - 1) / part;
+    const int64_t items = first[B];
+    int64_t *item_seq = (int64_t *)malloc(sizeof(int64_t) * (size_t)items);
     if (nt > items) nt = (int)items;
-    const size_t per_thread = (size_t)(hp * j->group * max_len + 8);
-    float *scratch = (float *)malloc(sizeof(float) * per_thread * (size_t)nt);
-    if (scratch == NULL) return -1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t item = 0; item < items; item++) {
+    const size_t per_thread = (size_t)(HG * part + 8);
+    const int split = items > B; /* some sequence has more than one partition */
+    float *scratch = (float *)malloc(sizeof(float) * (per_thread * (size_t)nt + (split ? (size_t)(per_part * items) : 0)));
+    if (scratch == NULL || item_seq == NULL) { free(first); free(item_seq); free(scratch); return -1; }
+    for (int64_t s = 0; s < B; s++)
+        for (int64_t i = first[s]; i < first[s + 1]; i++) item_seq[i] = s;
+    float *parts = scratch + per_thread * (size_t)nt;
+#pragma omp parallel num_threads(nt)
+    {
 #ifdef _OPENMP
         float *scores = scratch + per_thread * (size_t)omp_get_thread_num();
 #else
         float *scores = scratch;
 #endif
-        const int64_t s = whole ? item : item / j->num_kv_heads, h0 = whole ? 0 : item % j->num_kv_heads;
-        if (kv_bf16) item_avx2_bf16(j, s, h0, h0 + hp, scores);
-        else item_avx2_f32(j, s, h0, h0 + hp, scores);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t s = item_seq[it], lo = (it - first[s]) * part;
+            const int64_t hi = j->seq_lens[s] - lo < part ? j->seq_lens[s] : lo + part;
+            float *o = first[s + 1] - first[s] > 1 ? parts + per_part * it : NULL, *ml = o ? o + HG * j->head_dim : NULL;
+            if (kv_bf16) item_avx2_bf16(j, s, 0, H, lo, hi, scores, o, ml);
+            else item_avx2_f32(j, s, 0, H, lo, hi, scores, o, ml);
+        }
+        if (split) {
+#pragma omp for schedule(static)
+            for (int64_t s = 0; s < B; s++)
+                if (first[s + 1] - first[s] > 1) merge_parts(j, s, parts + per_part * first[s], first[s + 1] - first[s]);
+        }
     }
     free(scratch);
+    free(item_seq);
+    free(first);
     return 0;
 }
 #endif
