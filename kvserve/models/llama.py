@@ -78,9 +78,16 @@ class Attention(nn.Module):
 
 
 @cache
-def _vector_silu() -> bool:
-    """The native silu_mul is vectorised (AVX-512 build): faster than torch's silu + mul at any size."""
-    return cpu_kernels.native_available() and "avx512" in cpu_kernels.gemm_features()
+def _vector_silu(dtype: torch.dtype) -> bool:
+    """The native silu_mul is vectorised for ``dtype`` activations: faster than torch's silu + mul at any size.
+
+    AVX-512 builds: both dtypes (its own exp). AVX2 builds: float32 only (libmvec's 8-lane expf; the bfloat16
+    rounding keeps that loop scalar). Zen 3, 2 threads, float32 [rows, 2 x 1,536]: native 1.61 / 0.24 ms vs torch
+    2.54 / 0.61 ms at 2,048 / 512 rows (max difference 1e-6)."""
+    if not cpu_kernels.native_available():
+        return False
+    features = cpu_kernels.gemm_features()
+    return "avx512" in features or (dtype == torch.float32 and "avx2_panel" in features)
 
 
 class MLP(nn.Module):
@@ -105,9 +112,9 @@ class MLP(nn.Module):
             out = self.down_proj(onednn.swiglu(x, packed.get("gate", w[:i]), packed.get("up", w[i:])))
             return out if self.tp is None else self.tp.all_reduce(out)
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if use_native(gate_up) and (gate_up.shape[0] <= small_m_max(gate_up.dtype) or _vector_silu()):
-            # One call instead of three ops. Without AVX-512 the kernel is a scalar loop: prefill-sized inputs
-            # then take torch's vectorized SiLU (5x faster at 2,048 bf16 rows), which computes the same values.
+        if use_native(gate_up) and (gate_up.shape[0] <= small_m_max(gate_up.dtype) or _vector_silu(gate_up.dtype)):
+            # One call instead of three ops. Where the kernel's loop is scalar (bf16 without AVX-512), prefill-sized
+            # inputs take torch's vectorized SiLU (5x faster at 2,048 bf16 rows), which computes the same values.
             out = self.down_proj(cpu_kernels.silu_mul(gate_up))
         else:
             gate, up = gate_up.chunk(2, dim=-1)

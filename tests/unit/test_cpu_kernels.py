@@ -204,6 +204,42 @@ def test_silu_mul_edge_values_match_torch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_prefill_mlp_takes_the_native_silu_where_it_is_vectorised(monkeypatch: pytest.MonkeyPatch,
+                                                                    dtype: torch.dtype) -> None:
+    """Prefill-sized rows (above the small-M limit) take ``silu_mul`` where its loop is vectorised for the dtype
+    (AVX-512 builds: both; AVX2 builds: float32), torch's SiLU elsewhere; both give the reference's values."""
+    from kvserve.models.registry import ModelArchConfig
+    from kvserve.models import llama
+
+    features = cpu_kernels.gemm_features()
+    expect_native = "avx512" in features or (dtype == torch.float32 and "avx2_panel" in features)
+    assert llama._vector_silu(dtype) == expect_native
+    cfg = ModelArchConfig(architecture="llama", vocab_size=64, hidden_size=48, intermediate_size=80,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                          max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=False,
+                          attention_bias=False)
+    mlp = llama.MLP(cfg).to(dtype)
+    mlp.fuse_swiglu = False  # (the bf16 oneDNN epilogue path is tests/unit/test_onednn.py's)
+    g = torch.Generator().manual_seed(21)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(200, 48, generator=g).to(dtype)
+    calls: list[int] = []
+    real = cpu_kernels.silu_mul
+    monkeypatch.setattr(cpu_kernels, "silu_mul", lambda gu: (calls.append(gu.shape[0]), real(gu))[1])
+    with torch.no_grad():
+        out = mlp(x)
+        gate, up = F.linear(x.float(), mlp.gate_up_proj.weight.float()).chunk(2, dim=-1)
+        ref = F.linear(F.silu(gate) * up, mlp.down_proj.weight.float())
+    assert calls == ([200] if expect_native else [])
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    else:  # bf16 roundings of the inputs to each op (as test_onednn.py bounds them)
+        assert (out.float() - ref).abs().max() <= 4 * 2.0 ** -8 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rope_write_kv_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
     g = torch.Generator().manual_seed(head_dim)
