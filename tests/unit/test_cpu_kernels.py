@@ -322,8 +322,9 @@ def test_paged_decode_attention_long_sequences(path: str, dtype: torch.dtype, he
 @pytest.mark.parametrize("layout", ["in_order", "runs", "scattered"])
 def test_paged_decode_attention_item_splits_and_block_layouts(path: str, dtype: torch.dtype, num_seqs: int,
                                                                layout: str) -> None:
-    """The AVX2 path's two item splits ((sequence, KV head) below 4 sequences per thread, whole sequences from
-    there) and its prefetch rule (only blocks that do not follow the current one in memory) over block tables
+    """The AVX2 path's two item splits (below 4 sequences per thread, partitions of each sequence's blocks merged
+    afterwards, some sequences in one partition and some in several; whole sequences from there, and on one
+    thread) and its prefetch rule (only blocks that do not follow the current one in memory) over block tables
     in memory order, in runs of 2 blocks, and scattered; 1 and 2 threads. Equal to float64 math (1e-5)."""
     lib = _lib_for(path)
     g = torch.Generator().manual_seed(num_seqs)

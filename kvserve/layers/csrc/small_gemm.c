@@ -14,6 +14,11 @@
  *         for each group of MT tokens:          # weights re-read from L1/L2, not from memory
  *             acc[4][MT] += w[4 rows, k:k+VW] * x[MT rows, k:k+VW]     (VW = 8 on AVX2, 16 on AVX-512)
  *
+ * That tile loop is the portable path (and the reference's twin in the tests); the builds for the CPUs we measure
+ * stream one row at a time instead, each thread over a contiguous range of rows (one sequential stream per
+ * thread, which the hardware prefetchers follow): AVX512-BF16 builds with bf16 activations (gemm_dpbf16_rows) and
+ * AVX2 builds with float32 activations below ROW_AVX2_MAX_M tokens (gemm_rows_avx2).
+ *
  * Weight dtypes: float32, or bfloat16 widened to float32 in registers (a bf16 value is the top half of
  * an fp32: shift left 16), which halves the bytes read. With AVX512-BF16 and bf16 activations, pairs are
  * multiplied by `vdpbf16ps` (x rounded to bf16, as a bf16 model's activations already are).
