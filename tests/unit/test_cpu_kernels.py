@@ -208,8 +208,8 @@ def test_prefill_mlp_takes_the_native_silu_where_it_is_vectorised(monkeypatch: p
                                                                     dtype: torch.dtype) -> None:
     """Prefill-sized rows (above the small-M limit) take ``silu_mul`` where its loop is vectorised for the dtype
     (AVX-512 builds: both; AVX2 builds: float32), torch's SiLU elsewhere; both give the reference's values."""
-    from kvserve.models.registry import ModelArchConfig
     from kvserve.models import llama
+    from kvserve.models.registry import ModelArchConfig
 
     features = cpu_kernels.gemm_features()
     expect_native = "avx512" in features or (dtype == torch.float32 and "avx2_panel" in features)
