@@ -549,9 +549,10 @@ def test_BC_24_bench_itl_excludes_ttft() -> None:
     s = summarize(results, duration, SLO(ttft_s=0.6, tpot_s=0.02))
     assert s["completed"] == 20
     assert abs(s["ttft_s"]["p50"] - 0.5) <= 0.03
-    # p50 sits on the stub's 10 ms gap; the p99 only has to stay far from the 500 ms TTFT (a busy 2-core CI host
-    # delays a few chunks by 5-15 ms, which a tighter bound turned into a flaky failure)
-    assert abs(s["itl_s"]["p50"] - 0.010) <= 0.005 and s["itl_s"]["p99"] <= 0.060
+    # p50 and p90 sit on the stub's 10 ms gap; the p99 only has to stay far from the 500 ms TTFT (a busy 2-core
+    # CI host delays a few chunks by 5-45 ms; the same check in tests/bench/ saw a 52 ms p99 on CI)
+    assert abs(s["itl_s"]["p50"] - 0.010) <= 0.005 and abs(s["itl_s"]["p90"] - 0.010) <= 0.010
+    assert s["itl_s"]["p99"] < 0.25
     for r in results:
         assert len(r.itl) == 49 and max(r.itl) < 0.4 and r.output_tokens == 50
         assert r.tpot == pytest.approx((r.e2e - r.ttft) / 49)

@@ -148,7 +148,7 @@ def test_a_paused_server_times_out_within_the_timeout(redis_factory: Factory) ->
         assert 0.15 < elapsed < 0.7
         start = time.monotonic()
         assert tier.contains([key(0)]) == 0 and not tier.store(key(1), payload(1))  # backing off: no wait
-        assert time.monotonic() - start < 0.05
+        assert time.monotonic() - start < 0.15  # under the 0.2 s timeout: no wait (a loaded host adds ms)
         assert tier.stats.errors == {"timeout": 1, "backoff": 2}
         time.sleep(0.35)
         start = time.monotonic()
