@@ -339,6 +339,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "fp8"],
+                    help="as the engine's flag (auto: the model dtype)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per pass (two passes per batch size)")
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
                     help="random prompt ids per request (longer prompts: more KV read per step)")
@@ -366,7 +368,8 @@ def main() -> None:
           f"load {c_bw.load_before[0]} -> {c_bw.load_after[0]}", flush=True)
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.num_threads, seed=args.seed,
-                                    max_num_seqs=max(max(batches), 1), skip_tokenizer_init=args.skip_tokenizer_init))
+                                    max_num_seqs=max(max(batches), 1), skip_tokenizer_init=args.skip_tokenizer_init,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     dtype_name = str(engine.dtype).replace("torch.", "")
     peak = measure_gemm_peak(dtype_name if dtype_name in ("float32", "bfloat16") else "float32")
     print(f"GEMM peak ({dtype_name}, 1024^3): {peak} GFLOP/s", flush=True)
@@ -379,7 +382,8 @@ def main() -> None:
               f"{r['pct_of_memory_roofline']} %); outside forward {100 * (r['outside_forward_frac'] or 0):.1f} %",
               flush=True)
 
-    result = dict(benchmark="decode_roofline", model=args.model, dtype=dtype_name, num_threads=args.num_threads,
+    result = dict(benchmark="decode_roofline", model=args.model, dtype=dtype_name,
+                  kv_cache_dtype=str(engine.kv_dtype).replace("torch.", ""), num_threads=args.num_threads,
                   prompt_len=args.prompt_len, args=vars(args), env=env, bandwidth=bw,
                   bandwidth_contention=c_bw.as_dict(),
                   gemm_peak_gflops=peak, engine_config=engine.config.to_dict(), results=rows_out,

@@ -72,6 +72,7 @@ _COMMON = ["-O3", "-fPIC", "-fopenmp"]
 _LIBS = ["-lm", "-lmvec"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+KV_FMT_BF16 = 1  # decode_step's kv_fmt for a bfloat16 cache under float32 activations (0: the activations' dtype)
 WEIGHT_FMT_INT8 = 2  # decode_step's weight_fmt for int8 weights (0 float32, 1 bfloat16)
 WEIGHT_FMT_GGUF = 3  # ... and for GGUF blocks (each weight pointer a segment table, gguf_gemm.c)
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
@@ -84,7 +85,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
     "kv8_attention_features": (ctypes.c_int, []),
     "add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int]),
     "silu_mul": (None, [_PTR, _PTR, _I64, _I64, ctypes.c_int]),
-    "rope_write_kv": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]),
+    "rope_write_kv": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int,
+                             ctypes.c_int]),
     "rope_write_kv8": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64,
                                       ctypes.c_int, ctypes.c_int]),
     "decode_step": (ctypes.c_int, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
@@ -375,12 +377,18 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
         qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` contiguous (the fused projection's output).
         positions, slot_mapping: ``[T]`` int64.
         cos, sin: ``[max_position, head_dim]`` float32 tables.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in qkv's dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, contiguous;
+            k and v are converted to the cache's dtype as ``Tensor.to`` converts them (float32 -> bfloat16 rounds
+            to nearest even), so a bfloat16 cache may sit under float32 activations.
+    Raises:
+        TypeError: qkv or the caches not float32 / bfloat16, or k_cache and v_cache of different dtypes.
     """
-    assert qkv.is_contiguous() and k_cache.dtype == qkv.dtype
+    assert qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     _lib().rope_write_kv(qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                          k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.shape[0],
-                         num_heads, num_kv_heads, head_dim, _bf16_flag(qkv))
+                         num_heads, num_kv_heads, head_dim, _bf16_flag(qkv), _bf16_flag(k_cache))
 
 
 def rope_write_kv8(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -418,7 +426,8 @@ def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Ten
         layer_ptrs: ``[num_layers, 9]`` int64 addresses (see ``decode_step.c``): norm weights in x's dtype,
             float32 biases, projection weights by ``weight_fmt``: 0 float32, 1 bfloat16, 2 int8 (``int8.pack_int8``'s
             buffers; ``WEIGHT_FMT_INT8``), K/V caches in x's dtype
-            (``kv_fmt`` 0) or 8-bit (``kv_fmt`` 2 int8, 3 fp8: ``kv_quant.format_code``).
+            (``kv_fmt`` 0), bfloat16 under float32 x (``KV_FMT_BF16``) or 8-bit (``kv_fmt`` 2 int8, 3 fp8:
+            ``kv_quant.format_code``).
         final_norm: ``[H]`` in x's dtype. positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables
             ``[M, max_blocks]`` int64. cos, sin: ``[max_position, head_dim]`` float32.
     Returns:
@@ -490,7 +499,8 @@ class DecodeStepArgs:
         layer_ptrs: ``[num_layers, 9]`` int64 addresses (the tensors they point to must stay alive).
         final_norm: ``[H]`` in the activations' dtype. cos, sin: ``[max_position, head_dim]`` float32.
         block_size: tokens per KV block. eps: RMSNorm's epsilon. scale: attention's softmax scale.
-        weight_fmt: 0 float32, 1 bfloat16, ``WEIGHT_FMT_INT8``, ``WEIGHT_FMT_GGUF``. kv_fmt: 0, or an 8-bit
+        weight_fmt: 0 float32, 1 bfloat16, ``WEIGHT_FMT_INT8``, ``WEIGHT_FMT_GGUF``. kv_fmt: 0 (the cache has the
+            activations' dtype), ``KV_FMT_BF16`` (a bfloat16 cache under float32 activations), or an 8-bit
             cache's ``kv_quant.format_code``.
     """
 

@@ -56,8 +56,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        if use_native(qkv) and kv_cache[0].dtype == qkv.dtype:
-            # One call: RoPE on q and k in place, k and v into their cache slots.
+        if use_native(qkv) and kv_cache[0].dtype in (torch.float32, torch.bfloat16):
+            # One call: RoPE on q and k in place, k and v into their cache slots (converted to a bf16 cache's dtype).
             cpu_kernels.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
@@ -203,9 +203,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_fusable(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         """``decode_step.c`` can run this model with ``dtype`` activations over a ``kv_dtype`` cache: a cache of the
-        same dtype or an 8-bit one whose native variant is built, one weight format for every projection, the
-        fused decode switched on, no tensor parallelism."""
-        return ((kv_dtype == dtype or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
+        same dtype, a bfloat16 one under float32 activations, or an 8-bit one whose native variant is built; one
+        weight format for every projection, the fused decode switched on, no tensor parallelism."""
+        return ((kv_dtype == dtype or (dtype, kv_dtype) == (torch.float32, torch.bfloat16)
+                 or (is_kv8(kv_dtype) and "decode" in cpu_kernels.kv8_features()))
                 and self.fuse_decode and self._weight_fmt() is not None and self.tp is None)
 
     def native_greedy_decode_ok(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -255,10 +256,19 @@ class LlamaForCausalLM(nn.Module):
                 torch.tensor(rows, dtype=torch.int64), self.norm.weight, self.rotary.cos, self.rotary.sin,
                 cache.shape[1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 cfg.intermediate_size, cfg.rms_norm_eps, cast(DecoderLayer, self.layers[0]).self_attn.scale,
-                cast(int, self._weight_fmt()), format_code(cache) if is_kv8(cache.dtype) else 0)
+                cast(int, self._weight_fmt()), self._kv_fmt(cache))
             self._layer_ptrs = (key, args)
             self._layer_keepalive = biases
         return self._layer_ptrs[1]
+
+    def _kv_fmt(self, cache: torch.Tensor) -> int:
+        """decode_step's cache code: an 8-bit cache's ``format_code``, ``KV_FMT_BF16`` for a bfloat16 cache under
+        float32 activations, else 0 (the cache has the activations' dtype)."""
+        if is_kv8(cache.dtype):
+            return format_code(cache)
+        if (self.compute_dtype, cache.dtype) == (torch.float32, torch.bfloat16):
+            return cpu_kernels.KV_FMT_BF16
+        return 0
 
     def _weight_fmt(self) -> int | None:
         """decode_step's weight code of the decoder layers' projections: 0 float32, 1 bfloat16, 2 int8, 3 GGUF

@@ -60,7 +60,7 @@ def build_model(arch: ModelArchConfig, weights: Mapping[str, torch.Tensor | GGUF
 
     Args:
         dtype: the dtype of the linear and embedding weights.
-        compute_dtype: the activations' dtype (norm weights, biases, KV); None: ``dtype``. bfloat16
+        compute_dtype: the activations' dtype (norm weights, biases); None: ``dtype``. bfloat16
             weights with float32 activations is the CPU mode for hosts without bf16 dot products: half
             the weight bytes per decode step, float32 math (see ``compute_dtype_for``).
         quantization: None, or ``"int8"``: the decoder layers' projections and the LM head (unless

@@ -150,6 +150,28 @@ def test_dtype_auto_follows_cpu_flags(flags: str, expected: torch.dtype, monkeyp
     assert resolve_device_dtype(EngineConfig(dtype="float32", device="cpu"))[1] == torch.float32
 
 
+def test_kv_cache_auto_follows_the_weights_not_the_activations(
+        tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without bf16 dot products (forced: AVX2 flags), ``--dtype bfloat16`` computes in float32 over a
+    bfloat16 KV cache (``auto`` = the model dtype, as vLLM and ``kvserve plan`` size it), and the decode step
+    runs natively over it; ``--kv-cache-dtype float32`` still gives a float32 cache."""
+    monkeypatch.setenv("KVSERVE_CPU_FLAGS", "avx avx2 fma")
+    path, _, _ = tiny_qwen2
+    llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="bfloat16")
+    e = llm.engine
+    assert (e.dtype, e.compute_dtype, e.kv_dtype) == (torch.bfloat16, torch.float32, torch.bfloat16)
+    assert e.runner.kv_caches[0][0].dtype == torch.bfloat16
+    if cpu_kernels.native_available():
+        assert e.runner.model.native_greedy_decode_ok(e.runner.kv_caches)
+    out = llm.generate([[5, 9, 23, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    fp32_kv = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype="bfloat16",
+                  kv_cache_dtype="float32")
+    assert fp32_kv.engine.kv_dtype == torch.float32
+    assert fp32_kv.engine.kv_block_bytes() == 2 * e.kv_block_bytes()
+
+
 def test_kv_cache_dtype_flag_is_validated() -> None:
     from kvserve.errors import InvalidRequestError
 
@@ -159,7 +181,9 @@ def test_kv_cache_dtype_flag_is_validated() -> None:
 
 @pytest.mark.parametrize("dtype,activations,kv", [("float32", "float32", None), ("bfloat16", "float32", None),
                                                   ("bfloat16", "bfloat16", None), ("float32", "float32", "int8"),
-                                                  ("float32", "float32", "fp8"), ("bfloat16", "bfloat16", "int8")])
+                                                  ("float32", "float32", "fp8"), ("bfloat16", "bfloat16", "int8"),
+                                                  ("bfloat16", "float32", "bfloat16"),
+                                                  ("float32", "float32", "bfloat16")])
 @pytest.mark.parametrize("num_seqs", [1, 3])
 def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]],
                                                  dtype: str, activations: str, kv: str | None, num_seqs: int,
@@ -168,7 +192,8 @@ def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[li
     bitwise equal (fp32 weights; bf16 weights under fp32 activations, as on CPUs without bf16 dot
     products; bf16 weights, activations and KV cache, as on AVX512-BF16 hosts: forced here by the flags
     the dtype choice sees, so it runs on every host; the GEMM then takes whichever bf16 path the host has;
-    and over 8-bit caches, ``kv``: rope_write_kv8 and the 8-bit decode attention in both paths)."""
+    a bf16 cache under float32 activations (k, v rounded as they are written); and over 8-bit caches,
+    ``kv``: rope_write_kv8 and the 8-bit decode attention in both paths)."""
     if activations == "bfloat16":
         monkeypatch.setenv("KVSERVE_CPU_FLAGS", "avx2 fma avx512_bf16")
     if not cpu_kernels.native_available():
@@ -181,6 +206,9 @@ def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[li
     llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory=0.01, dtype=dtype, kv_cache_dtype=kv or activations)
     runner, model = llm.engine.runner, llm.engine.runner.model
     assert model.compute_dtype == getattr(torch, activations)
+    if kv == "bfloat16":
+        assert runner.kv_caches[0][0].dtype == torch.bfloat16
+        assert model.decode_step_args(runner.kv_caches).kv_fmt == cpu_kernels.KV_FMT_BF16
     bs, cpu = runner.block_size, torch.device("cpu")
     lens = [5, 17, 30][:num_seqs]
     tables, next_block = [], 0

@@ -260,6 +260,29 @@ def test_rope_write_kv_matches_reference(dtype: torch.dtype, head_dim: int) -> N
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)  # v is copied, not computed
 
 
+@pytest.mark.parametrize("act,cache", [(torch.float32, BF16), (BF16, torch.float32)])
+def test_rope_write_kv_converts_to_the_cache_dtype(act: torch.dtype, cache: torch.dtype) -> None:
+    """A cache of another dtype than the activations (a bf16 cache under float32 activations, as on AVX2 hosts
+    serving bf16 weights): q and k rotate in the activations' dtype exactly as with a same-dtype cache, and the
+    rows the cache receives are that k and v converted by ``Tensor.to`` (float32 -> bf16 rounds to nearest even;
+    bf16 -> float32 is exact), bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    hq, hk, t, d, num_slots = 6, 2, 5, 64, 40
+    rotary = RotaryEmbedding(d, 512, 10000.0)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(act)
+    positions, slots = torch.tensor([0, 7, 100, 511, 3]), torch.tensor([3, 9, 0, 39, 17])
+    same_k, same_v = torch.zeros(num_slots, 1, hk, d, dtype=act), torch.zeros(num_slots, 1, hk, d, dtype=act)
+    kc, vc = torch.zeros(num_slots, 1, hk, d, dtype=cache), torch.zeros(num_slots, 1, hk, d, dtype=cache)
+    ref_qkv = qkv.clone()
+    cpu_kernels.rope_write_kv(ref_qkv, positions, rotary.cos, rotary.sin, same_k, same_v, slots, hq, hk, d)
+    cpu_kernels.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, kc, vc, slots, hq, hk, d)
+    assert torch.equal(qkv, ref_qkv)
+    assert torch.equal(kc, same_k.to(cache)) and torch.equal(vc, same_v.to(cache))
+    assert kc[slots].abs().sum() > 0 and kc[1].abs().sum() == 0  # written slots only
+    with pytest.raises(TypeError, match="v_cache"):
+        cpu_kernels.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, kc, same_v, slots, hq, hk, d)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_paged_attention_bf16_cache_matches_float32_math(head_dim: int) -> None:
     """A bf16 cache is widened exactly, so the kernel equals the float32 kernel on the widened cache."""

@@ -42,7 +42,7 @@ void add_rms_norm(const void *x, void *residual, const void *weight, void *out, 
 void silu_mul(const void *gate_up, void *out, int64_t M, int64_t F, int bf16);
 void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
                    const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
-                   int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16);
+                   int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16, int kv_bf16);
 int paged_decode_attention_kv8(const float *q, const void *k_cache, const void *v_cache, int kv_fmt,
                                const int64_t *block_tables, const int64_t *seq_lens, float *out,
                                int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,
@@ -65,7 +65,8 @@ static int gemm(const void *x, int act_bf16, const void *w, int w_fmt, const flo
 
 /* x: [M, H] embeddings in the activation dtype (act_bf16: bfloat16, else float32), overwritten (scratch);
  * out: [M, H] final normed hidden, activation dtype. Norm weights have the activation dtype, biases are
- * float32, projection weights float32, bfloat16, int8 or GGUF (w_fmt 0 / 1 / 2 / 3), K/V caches the activation dtype (kv_fmt 0) or
+ * float32, projection weights float32, bfloat16, int8 or GGUF (w_fmt 0 / 1 / 2 / 3), K/V caches the activation dtype (kv_fmt 0),
+ * bfloat16 under float32 activations (kv_fmt 1: k, v rounded to bf16 as they are written, as torch's `.to()`) or
  * 8-bit (kv_fmt 2 int8, 3 fp8: rope_write_kv8 and paged_decode_attention_kv8 instead). As in the per-op
  * path, attention takes q widened to float32 and its output is rounded to the activation dtype.
  * Returns 0, or -1 when scratch memory could not be allocated or a kernel failed. */
@@ -76,6 +77,7 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
                 float eps, float scale, int w_fmt, int act_bf16, int kv_fmt, int64_t num_threads) {
     const int64_t qkv_n = (Hq + 2 * Hk) * D, q_n = Hq * D;
     const size_t esz = act_bf16 ? 2 : 4;
+    const int kv_bf16 = kv_fmt == 1 || (kv_fmt == 0 && act_bf16);
     void *res = malloc(esz * (size_t)(M * H));
     void *h = malloc(esz * (size_t)(M * H));
     void *qkv = malloc(esz * (size_t)(M * qkv_n));
@@ -99,7 +101,7 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
                                  slot_mapping, M, Hq, Hk, D, act_bf16, kv_fmt);
         else
             rope_write_kv(qkv, qkv_n, positions, cos_table, sin_table, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE),
-                          slot_mapping, M, Hq, Hk, D, act_bf16);
+                          slot_mapping, M, Hq, Hk, D, act_bf16, kv_bf16);
         for (int64_t m = 0; m < M; m++) {
             if (act_bf16) {
                 const uint16_t *src = (const uint16_t *)qkv + m * qkv_n;
@@ -112,7 +114,7 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
             rc |= paged_decode_attention_kv8(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), kv_fmt, block_tables, seq_lens,
                                              attn32, M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
         else
-            rc |= paged_decode_attention(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), act_bf16, block_tables, seq_lens,
+            rc |= paged_decode_attention(q, PTR(l, P_K_CACHE), PTR(l, P_V_CACHE), kv_bf16, block_tables, seq_lens,
                                          attn32, M, Hk, Hq / Hk, D, block_size, max_blocks, scale, num_threads);
         if (act_bf16)
             for (int64_t i = 0; i < M * q_n; i++) ((uint16_t *)attn)[i] = bf16_narrow(attn32[i]);

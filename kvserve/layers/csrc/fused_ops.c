@@ -224,11 +224,13 @@ static inline __attribute__((always_inline)) void rope_vec(void *x, int64_t off,
 }
 
 /* qkv: [T, row_stride] holding q [Hq*D], k [Hk*D], v [Hk*D] at column offsets 0, Hq*D, (Hq+Hk)*D;
- * q and k rotated in place at positions[t]; then k and v copied to slot slot_mapping[t] of
- * k_cache / v_cache ([num_slots, Hk, D], same dtype). cos/sin: float32 [max_position, D]. */
+ * q and k rotated in place at positions[t]; then k and v written to slot slot_mapping[t] of
+ * k_cache / v_cache ([num_slots, Hk, D]): copied when the cache has qkv's dtype (kv_bf16 == bf16), else
+ * converted as torch's `.to()` converts (float32 -> bfloat16 rounded to nearest even, bfloat16 -> float32
+ * exact). cos/sin: float32 [max_position, D]. */
 void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_table,
                    const float *sin_table, void *k_cache, void *v_cache, const int64_t *slot_mapping,
-                   int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16) {
+                   int64_t T, int64_t Hq, int64_t Hk, int64_t D, int bf16, int kv_bf16) {
     const size_t esz = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (T * row_stride >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
@@ -239,10 +241,20 @@ void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, cons
             else rope_vec(qkv, base + h * D, c, s, D, 0);
         }
         const char *row = (const char *)qkv + (size_t)base * esz;
-        const size_t kv_bytes = (size_t)(Hk * D) * esz;
-        memcpy((char *)k_cache + (size_t)slot_mapping[t] * kv_bytes, row + (size_t)(Hq * D) * esz, kv_bytes);
-        memcpy((char *)v_cache + (size_t)slot_mapping[t] * kv_bytes, row + (size_t)((Hq + Hk) * D) * esz,
-               kv_bytes);
+        const int64_t n = Hk * D, slot = slot_mapping[t];
+        if (kv_bf16 == bf16) {
+            const size_t kv_bytes = (size_t)n * esz;
+            memcpy((char *)k_cache + (size_t)slot * kv_bytes, row + (size_t)(Hq * D) * esz, kv_bytes);
+            memcpy((char *)v_cache + (size_t)slot * kv_bytes, row + (size_t)((Hq + Hk) * D) * esz, kv_bytes);
+        } else if (kv_bf16) { /* float32 activations, bfloat16 cache */
+            const float *k = (const float *)row + Hq * D, *v = k + n;
+            uint16_t *kd = (uint16_t *)k_cache + slot * n, *vd = (uint16_t *)v_cache + slot * n;
+            for (int64_t i = 0; i < n; i++) kd[i] = bf16_narrow(k[i]), vd[i] = bf16_narrow(v[i]);
+        } else { /* bfloat16 activations, float32 cache */
+            const uint16_t *k = (const uint16_t *)row + Hq * D, *v = k + n;
+            float *kd = (float *)k_cache + slot * n, *vd = (float *)v_cache + slot * n;
+            for (int64_t i = 0; i < n; i++) kd[i] = bf16_widen(k[i]), vd[i] = bf16_widen(v[i]);
+        }
     }
 }
 
