@@ -57,7 +57,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         if use_native(qkv) and kv_cache[0].dtype in (torch.float32, torch.bfloat16):
-            # One call: RoPE on q and k in place, k and v into their cache slots (converted to a bf16 cache's dtype).
+            # One call: RoPE on q and k in place, k and v into their cache slots (converted where the dtypes differ).
             cpu_kernels.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin, kv_cache[0], kv_cache[1],
                                       meta.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
