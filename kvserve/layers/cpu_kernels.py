@@ -72,7 +72,6 @@ _COMMON = ["-O3", "-fPIC", "-fopenmp"]
 _LIBS = ["-lm", "-lmvec"]
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-KV_FMT_BF16 = 1  # decode_step's kv_fmt for a bfloat16 cache under float32 activations (0: the activations' dtype)
 WEIGHT_FMT_INT8 = 2  # decode_step's weight_fmt for int8 weights (0 float32, 1 bfloat16)
 WEIGHT_FMT_GGUF = 3  # ... and for GGUF blocks (each weight pointer a segment table, gguf_gemm.c)
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {  # name -> (restype, argtypes)
@@ -417,7 +416,7 @@ def rope_write_kv8(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                intermediate_size: int, eps: float, scale: float, weight_fmt: int, kv_fmt: int = 0) -> torch.Tensor:
+                intermediate_size: int, eps: float, scale: float, weight_fmt: int, kv_fmt: int) -> torch.Tensor:
     """Every decoder layer of a pure-decode step, then the final norm, in one native call.
 
     Args:
@@ -425,9 +424,8 @@ def decode_step(x: torch.Tensor, layer_ptrs: torch.Tensor, final_norm: torch.Ten
             its dtype is the activations' (used as scratch).
         layer_ptrs: ``[num_layers, 9]`` int64 addresses (see ``decode_step.c``): norm weights in x's dtype,
             float32 biases, projection weights by ``weight_fmt``: 0 float32, 1 bfloat16, 2 int8 (``int8.pack_int8``'s
-            buffers; ``WEIGHT_FMT_INT8``), K/V caches in x's dtype
-            (``kv_fmt`` 0), bfloat16 under float32 x (``KV_FMT_BF16``) or 8-bit (``kv_fmt`` 2 int8, 3 fp8:
-            ``kv_quant.format_code``).
+            buffers; ``WEIGHT_FMT_INT8``), K/V caches of format ``kv_fmt`` (the cache's ``kv_quant.format_code``:
+            0 float32, 1 bfloat16, 2 int8, 3 fp8), x's dtype or 8-bit, or bfloat16 under float32 x.
         final_norm: ``[H]`` in x's dtype. positions, slot_mapping, seq_lens: ``[M]`` int64; block_tables
             ``[M, max_blocks]`` int64. cos, sin: ``[max_position, head_dim]`` float32.
     Returns:
@@ -499,9 +497,8 @@ class DecodeStepArgs:
         layer_ptrs: ``[num_layers, 9]`` int64 addresses (the tensors they point to must stay alive).
         final_norm: ``[H]`` in the activations' dtype. cos, sin: ``[max_position, head_dim]`` float32.
         block_size: tokens per KV block. eps: RMSNorm's epsilon. scale: attention's softmax scale.
-        weight_fmt: 0 float32, 1 bfloat16, ``WEIGHT_FMT_INT8``, ``WEIGHT_FMT_GGUF``. kv_fmt: 0 (the cache has the
-            activations' dtype), ``KV_FMT_BF16`` (a bfloat16 cache under float32 activations), or an 8-bit
-            cache's ``kv_quant.format_code``.
+        weight_fmt: 0 float32, 1 bfloat16, ``WEIGHT_FMT_INT8``, ``WEIGHT_FMT_GGUF``. kv_fmt: the cache's
+            ``kv_quant.format_code`` (0 float32, 1 bfloat16, 2 int8, 3 fp8).
     """
 
     layer_ptrs: torch.Tensor

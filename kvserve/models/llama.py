@@ -256,19 +256,10 @@ class LlamaForCausalLM(nn.Module):
                 torch.tensor(rows, dtype=torch.int64), self.norm.weight, self.rotary.cos, self.rotary.sin,
                 cache.shape[1], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 cfg.intermediate_size, cfg.rms_norm_eps, cast(DecoderLayer, self.layers[0]).self_attn.scale,
-                cast(int, self._weight_fmt()), self._kv_fmt(cache))
+                cast(int, self._weight_fmt()), format_code(cache))
             self._layer_ptrs = (key, args)
             self._layer_keepalive = biases
         return self._layer_ptrs[1]
-
-    def _kv_fmt(self, cache: torch.Tensor) -> int:
-        """decode_step's cache code: an 8-bit cache's ``format_code``, ``KV_FMT_BF16`` for a bfloat16 cache under
-        float32 activations, else 0 (the cache has the activations' dtype)."""
-        if is_kv8(cache.dtype):
-            return format_code(cache)
-        if (self.compute_dtype, cache.dtype) == (torch.float32, torch.bfloat16):
-            return cpu_kernels.KV_FMT_BF16
-        return 0
 
     def _weight_fmt(self) -> int | None:
         """decode_step's weight code of the decoder layers' projections: 0 float32, 1 bfloat16, 2 int8, 3 GGUF

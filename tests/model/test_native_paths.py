@@ -208,7 +208,7 @@ def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[li
     assert model.compute_dtype == getattr(torch, activations)
     if kv == "bfloat16":
         assert runner.kv_caches[0][0].dtype == torch.bfloat16
-        assert model.decode_step_args(runner.kv_caches).kv_fmt == cpu_kernels.KV_FMT_BF16
+        assert model.decode_step_args(runner.kv_caches).kv_fmt == 1  # kv_quant.format_code of a bf16 cache
     bs, cpu = runner.block_size, torch.device("cpu")
     lens = [5, 17, 30][:num_seqs]
     tables, next_block = [], 0

@@ -65,9 +65,10 @@ static int gemm(const void *x, int act_bf16, const void *w, int w_fmt, const flo
 
 /* x: [M, H] embeddings in the activation dtype (act_bf16: bfloat16, else float32), overwritten (scratch);
  * out: [M, H] final normed hidden, activation dtype. Norm weights have the activation dtype, biases are
- * float32, projection weights float32, bfloat16, int8 or GGUF (w_fmt 0 / 1 / 2 / 3), K/V caches the activation dtype (kv_fmt 0),
- * bfloat16 under float32 activations (kv_fmt 1: k, v rounded to bf16 as they are written, as torch's `.to()`) or
- * 8-bit (kv_fmt 2 int8, 3 fp8: rope_write_kv8 and paged_decode_attention_kv8 instead). As in the per-op
+ * float32, projection weights float32, bfloat16, int8 or GGUF (w_fmt 0 / 1 / 2 / 3), K/V caches of format kv_fmt
+ * (kv_quant.format_code: 0 float32, 1 bfloat16, 2 int8, 3 fp8): the activation dtype, bfloat16 under float32
+ * activations (k, v rounded to bf16 as they are written, as torch's `.to()`), or 8-bit (rope_write_kv8 and
+ * paged_decode_attention_kv8 instead). As in the per-op
  * path, attention takes q widened to float32 and its output is rounded to the activation dtype.
  * Returns 0, or -1 when scratch memory could not be allocated or a kernel failed. */
 int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layers, const void *final_norm,
@@ -77,7 +78,7 @@ int decode_step(void *x, void *out, const int64_t *layer_ptrs, int64_t num_layer
                 float eps, float scale, int w_fmt, int act_bf16, int kv_fmt, int64_t num_threads) {
     const int64_t qkv_n = (Hq + 2 * Hk) * D, q_n = Hq * D;
     const size_t esz = act_bf16 ? 2 : 4;
-    const int kv_bf16 = kv_fmt == 1 || (kv_fmt == 0 && act_bf16);
+    const int kv_bf16 = kv_fmt == 1;
     void *res = malloc(esz * (size_t)(M * H));
     void *h = malloc(esz * (size_t)(M * H));
     void *qkv = malloc(esz * (size_t)(M * qkv_n));
