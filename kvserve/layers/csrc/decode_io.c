@@ -46,19 +46,78 @@ static inline float load_value(const void *x, int64_t i, int bf16) {
     return bf16 ? bf16_widen(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
+/* The vector halves of argmax_row's two passes, per ISA: max_lanes folds the whole vectors of x[0, n) into *best
+ * and returns 1 if one of them is a NaN (unordered with itself; *best is then left alone); first_equal_lanes
+ * returns the first index of those vectors holding best (==: 0.0 and -0.0 match, as in torch), or -1. Both set
+ * *end to where the whole vectors stop. */
 #if defined(__AVX512F__)
+#define VECTOR_ARGMAX 1
 static inline __m512 load16(const void *x, int64_t i, int bf16) { /* 16 values from i, as float32 */
     if (!bf16) return _mm512_loadu_ps((const float *)x + i);
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-#endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__)
+static int max_lanes(const void *x, int bf16, int64_t n, float *best, int64_t *end) {
+    __m512 vmax = _mm512_set1_ps(*best);
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = load16(x, i, bf16);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    *end = i;
+    if (nan) return 1;
+    *best = _mm512_reduce_max_ps(vmax);
+    return 0;
+}
+
+static int64_t first_equal_lanes(const void *x, int bf16, int64_t n, float best, int64_t *end) {
+    const __m512 b = _mm512_set1_ps(best);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __mmask16 eq = _mm512_cmp_ps_mask(load16(x, j, bf16), b, _CMP_EQ_OQ);
+        if (eq) return j + __builtin_ctz((unsigned)eq);
+    }
+    *end = j;
+    return -1;
+}
+#elif defined(__AVX2__)
+/* (the scalar loop's compare and branch per value took ~40 us per 49,152-entry row on Zen 3: 2.4 ms of a
+ * batch-64 decode step; these 8-lane passes 9 us) */
+#define VECTOR_ARGMAX 1
 static inline __m256 load8(const void *x, int64_t i, int bf16) { /* 8 values from i, as float32 */
     if (!bf16) return _mm256_loadu_ps((const float *)x + i);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static int max_lanes(const void *x, int bf16, int64_t n, float *best, int64_t *end) {
+    __m256 vmax = _mm256_set1_ps(*best), unord = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = load8(x, i, bf16);
+        unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, v);
+    }
+    *end = i;
+    if (_mm256_movemask_ps(unord)) return 1;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    for (int k = 0; k < 8; k++) *best = lanes[k] > *best ? lanes[k] : *best;
+    return 0;
+}
+
+static int64_t first_equal_lanes(const void *x, int bf16, int64_t n, float best, int64_t *end) {
+    const __m256 b = _mm256_set1_ps(best);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const int eq = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, j, bf16), b, _CMP_EQ_OQ));
+        if (eq) return j + __builtin_ctz((unsigned)eq);
+    }
+    *end = j;
+    return -1;
 }
 #endif
 
@@ -66,65 +125,20 @@ static inline __m256 load8(const void *x, int64_t i, int bf16) { /* 8 values fro
 static int64_t argmax_row(const void *x, int bf16, int64_t n) {
     if (n <= 0) return 0;
     float best = load_value(x, 0, bf16);
-    int64_t i = 0;
     if (best != best) return 0;
-#if defined(__AVX512F__)
-    /* Pass 1: the maximum over 16 lanes, and whether any lane saw a NaN (unordered with itself). */
-    __m512 vmax = _mm512_set1_ps(best);
-    __mmask16 nan = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 v = load16(x, i, bf16);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        vmax = _mm512_max_ps(vmax, v);
+#ifdef VECTOR_ARGMAX
+    /* pass 1: the maximum, and whether there is a NaN; pass 2: the first index holding the maximum */
+    int64_t i = 0;
+    int nan = max_lanes(x, bf16, n, &best, &i);
+    for (; !nan && i < n; i++) {
+        const float v = load_value(x, i, bf16);
+        if (v != v) nan = 1;
+        else if (v > best) best = v;
     }
     if (!nan) {
-        best = _mm512_reduce_max_ps(vmax);
-        for (int64_t j = i; j < n; j++) {
-            const float v = load_value(x, j, bf16);
-            if (v != v) { nan = 1; break; }
-            if (v > best) best = v;
-        }
-    }
-    if (!nan) { /* pass 2: the first index holding the maximum (==: 0.0 and -0.0 match, as in torch) */
-        const __m512 b = _mm512_set1_ps(best);
         int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-            const __mmask16 eq = _mm512_cmp_ps_mask(load16(x, j, bf16), b, _CMP_EQ_OQ);
-            if (eq) return j + __builtin_ctz((unsigned)eq);
-        }
-        for (; j < n; j++)
-            if (load_value(x, j, bf16) == best) return j;
-    }
-    for (int64_t j = 0; j < n; j++) /* a NaN somewhere: torch returns the first one */
-        if (load_value(x, j, bf16) != load_value(x, j, bf16)) return j;
-    return 0; /* (unreachable) */
-#elif defined(__AVX2__)
-    /* The same two passes over 8 lanes (the scalar loop's compare and branch per value took ~40 us per
-     * 49,152-entry row on Zen 3: 2.4 ms of a batch-64 decode step). */
-    __m256 vmax = _mm256_set1_ps(best), unord = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-        const __m256 v = load8(x, i, bf16);
-        unord = _mm256_or_ps(unord, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        vmax = _mm256_max_ps(vmax, v);
-    }
-    int nan = _mm256_movemask_ps(unord) != 0;
-    if (!nan) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vmax);
-        for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
-        for (int64_t j = i; j < n; j++) {
-            const float v = load_value(x, j, bf16);
-            if (v != v) { nan = 1; break; }
-            if (v > best) best = v;
-        }
-    }
-    if (!nan) { /* pass 2: the first index holding the maximum (==: 0.0 and -0.0 match, as in torch) */
-        const __m256 b = _mm256_set1_ps(best);
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const int eq = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, j, bf16), b, _CMP_EQ_OQ));
-            if (eq) return j + __builtin_ctz((unsigned)eq);
-        }
+        const int64_t hit = first_equal_lanes(x, bf16, n, best, &j);
+        if (hit >= 0) return hit;
         for (; j < n; j++)
             if (load_value(x, j, bf16) == best) return j;
     }
@@ -133,7 +147,7 @@ static int64_t argmax_row(const void *x, int bf16, int64_t n) {
     return 0; /* (unreachable) */
 #else
     int64_t arg = 0;
-    for (i = 1; i < n; i++) {
+    for (int64_t i = 1; i < n; i++) {
         const float v = load_value(x, i, bf16);
         if (v != v) return i;
         if (v > best) best = v, arg = i;
