@@ -14,7 +14,7 @@
  * A bfloat16 cache is widened 16 values at a time without a shuffle (load16_eo: a shift gives the even ones, a
  * mask the odd ones), against queries deinterleaved the same way once per item; the output accumulates
  * deinterleaved and is put back in order at the end (as small_gemm's bf16 rows). Against widening 8 values with
- * a zero-extend and a shift: 0.77-0.84x the time with the blocks in L2, 0.89-0.97x (median ~0.93x) from memory
+ * a zero-extend and a shift: 0.77-0.84x the time with the blocks in L2, 0.89-1.03x (median ~0.93x) from memory
  * (Zen 3, 2 threads, 64 sequences x 400 keys, 30 layers).
  * The next block of the table is prefetched a row per key when it does not follow the current block in memory
  * (a block anywhere in the cache is where the hardware prefetchers lose the stream; prefetching blocks that do
@@ -38,11 +38,8 @@
 /* glibc's libmvec has a vector expf; declaring it lets the softmax loop vectorize without -fopenmp. */
 __attribute__((simd("notinbranch"))) float expf(float);
 
-static inline __attribute__((always_inline)) __m256 load8(const void *base, int64_t off, int bf16) {
-    if (bf16) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + off));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
+/* 8 float32 values at base + off (elements) */
+static inline __attribute__((always_inline)) __m256 load8(const void *base, int64_t off) {
     return _mm256_loadu_ps((const float *)base + off);
 }
 
@@ -142,15 +139,15 @@ static inline __attribute__((always_inline)) void item_avx2(const job_t *j, int6
                                 a3 = _mm256_fmadd_ps(qv[c + 1], o, _mm256_fmadd_ps(qv[c], e, a3));
                             }
                         } else {
-                            a0 = _mm256_mul_ps(qv[0], load8(kc, k0, 0));
-                            a1 = _mm256_mul_ps(qv[0], load8(kc, k0 + row, 0));
-                            a2 = _mm256_mul_ps(qv[0], load8(kc, k0 + 2 * row, 0));
-                            a3 = _mm256_mul_ps(qv[0], load8(kc, k0 + 3 * row, 0));
+                            a0 = _mm256_mul_ps(qv[0], load8(kc, k0));
+                            a1 = _mm256_mul_ps(qv[0], load8(kc, k0 + row));
+                            a2 = _mm256_mul_ps(qv[0], load8(kc, k0 + 2 * row));
+                            a3 = _mm256_mul_ps(qv[0], load8(kc, k0 + 3 * row));
                             for (int c = 1; c < 8; c++) {
-                                a0 = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 8 * c, 0), a0);
-                                a1 = _mm256_fmadd_ps(qv[c], load8(kc, k0 + row + 8 * c, 0), a1);
-                                a2 = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 2 * row + 8 * c, 0), a2);
-                                a3 = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 3 * row + 8 * c, 0), a3);
+                                a0 = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 8 * c), a0);
+                                a1 = _mm256_fmadd_ps(qv[c], load8(kc, k0 + row + 8 * c), a1);
+                                a2 = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 2 * row + 8 * c), a2);
+                                a3 = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 3 * row + 8 * c), a3);
                             }
                         }
                         _mm_storeu_ps(sc + i, _mm_add_ps(_mm_loadu_ps(sc + i), hsum4(a0, a1, a2, a3)));
@@ -166,7 +163,7 @@ static inline __attribute__((always_inline)) void item_avx2(const job_t *j, int6
                                 a = _mm256_fmadd_ps(qv[c + 1], o, _mm256_fmadd_ps(qv[c], e, a));
                             }
                         else
-                            for (int c = 0; c < 8; c++) a = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 8 * c, 0), a);
+                            for (int c = 0; c < 8; c++) a = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 8 * c), a);
                         sc[i] += hsum1(a);
                     }
                 }
@@ -222,7 +219,7 @@ static inline __attribute__((always_inline)) void item_avx2(const job_t *j, int6
                                 acc[c + 1] = _mm256_fmadd_ps(pv, o, acc[c + 1]);
                             }
                         else
-                            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pv, load8(vc, v0 + 8 * c, 0), acc[c]);
+                            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pv, load8(vc, v0 + 8 * c), acc[c]);
                     }
                     for (int c = 0; c < 8; c++) _mm256_storeu_ps(og + 8 * c, acc[c]);
                 }
