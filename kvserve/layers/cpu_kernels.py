@@ -343,34 +343,37 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.to(q.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Fused ``residual += x; return RMSNorm(residual)`` (or ``RMSNorm(x)`` when residual is None).
 
     Args:
         x, residual: ``[M, H]`` contiguous, one dtype (float32 or bfloat16); residual is updated in place.
-        weight: ``[H]`` in the same dtype.
+        weight: ``[H]`` in the same dtype. lib: a library from ``build_library`` (tests); default: the process's.
     Returns:
         ``[M, H]``, bitwise the reference's ``weight * to_dtype(r * rsqrt(mean(r^2) + eps))`` up to
         float32 summation order.
     """
     out = torch.empty_like(x)
-    _lib().add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+    (lib or _lib()).add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                         out.data_ptr(), x.shape[0], x.shape[1], eps, _bf16_flag(x))
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up = [gate | up]`` ``[M, 2F]`` (contiguous) -> ``[M, F]``."""
+def silu_mul(gate_up: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` ``[M, 2F]`` (contiguous) -> ``[M, F]`` (``lib``: a library
+    from ``build_library``, for tests; default: the process's)."""
     m, f2 = gate_up.shape
     out = gate_up.new_empty(m, f2 // 2)
-    _lib().silu_mul(gate_up.data_ptr(), out.data_ptr(), m, f2 // 2, _bf16_flag(gate_up))
+    (lib or _lib()).silu_mul(gate_up.data_ptr(), out.data_ptr(), m, f2 // 2, _bf16_flag(gate_up))
     return out
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    """Rotate q and k of ``qkv`` in place and write k, v to the paged cache.
+                  num_heads: int, num_kv_heads: int, head_dim: int, lib: ctypes.CDLL | None = None) -> None:
+    """Rotate q and k of ``qkv`` in place and write k, v to the paged cache (``lib``: a library from
+    ``build_library``, for tests; default: the process's).
 
     Args:
         qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` contiguous (the fused projection's output).
@@ -385,7 +388,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     assert qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    _lib().rope_write_kv(qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+    (lib or _lib()).rope_write_kv(qkv.data_ptr(), qkv.shape[1], positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                          k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), qkv.shape[0],
                          num_heads, num_kv_heads, head_dim, _bf16_flag(qkv), _bf16_flag(k_cache))
 

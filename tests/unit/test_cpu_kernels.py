@@ -169,38 +169,51 @@ def test_panel_gemm_matches_linear(path: str, wdtype: torch.dtype, m: int, n: in
         torch.testing.assert_close(out.double(), _ref_linear(x, w, bias), rtol=1e-5, atol=1e-5 * k ** 0.5)
 
 
+@pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_matches_reference(dtype: torch.dtype, with_residual: bool) -> None:
+@pytest.mark.parametrize("hidden", [100, 576])
+def test_add_rms_norm_matches_reference(path: str, dtype: torch.dtype, with_residual: bool, hidden: int) -> None:
+    """Each build's rows (AVX-512 16 lanes, AVX2 8 lanes with a scalar tail at H = 100, the scalar loop)."""
+    lib = _lib_for(path)
     g = torch.Generator().manual_seed(2)
-    norm = RMSNorm(100, 1e-5)
-    norm.weight.data = torch.randn(100, generator=g).to(dtype)
-    x, r = torch.randn(5, 100, generator=g).to(dtype), torch.randn(5, 100, generator=g).to(dtype)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
+    x, r = torch.randn(5, hidden, generator=g).to(dtype), torch.randn(5, hidden, generator=g).to(dtype)
     r_native, r_ref = r.clone(), r.clone()
-    out = cpu_kernels.add_rms_norm(x, r_native if with_residual else None, norm.weight, norm.eps)
+    out = cpu_kernels.add_rms_norm(x, r_native if with_residual else None, norm.weight, norm.eps,
+                                   lib=lib)  # type: ignore[arg-type]
     ref = norm.forward_reference(x, r_ref if with_residual else None)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(r_native, r_ref, rtol=0, atol=0)  # the residual add is exact in both
 
 
+@pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
-    gate_up = (torch.randn(3, 2 * 77, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+@pytest.mark.parametrize("width", [77, 1536])
+def test_silu_mul_matches_reference(path: str, dtype: torch.dtype, width: int) -> None:
+    lib = _lib_for(path)
+    gate_up = (torch.randn(3, 2 * width, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
-    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, **tol)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up, lib=lib), F.silu(gate) * up,  # type: ignore[arg-type]
+                               **tol)
 
 
+@pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_silu_mul_edge_values_match_torch(dtype: torch.dtype) -> None:
-    """The vectorized exp (range-reduced polynomial + vscalefps, clamped to +-104) at the extremes: underflow
-    to -0, a denormal product, overflow to inf, +-inf and NaN, exactly as torch's silu gives them."""
+def test_silu_mul_edge_values_match_torch(path: str, dtype: torch.dtype) -> None:
+    """The vectorized exps (range-reduced polynomial, clamped to +-104, times 2^n: vscalefps on AVX-512, two exact
+    power-of-two factors on AVX2) at the extremes: underflow to -0, a denormal product, overflow to inf, +-inf and
+    NaN, exactly as torch's silu gives them. 24 values: two full 8-lane vectors, then the scalar tail."""
+    lib = _lib_for(path)
     g = torch.tensor([-200.0, -104.5, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 100.0, 200.0,
-                      float("inf"), float("-inf"), float("nan"), 0.5, -3.0, 7.25])
+                      float("inf"), float("-inf"), float("nan"), 0.5, -3.0, 7.25, -87.5, -89.0, 87.0, 103.9, -103.9,
+                      -60.0, 15.0])
     gate_up = torch.cat([g, torch.ones_like(g)]).reshape(1, -1).to(dtype)
-    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up)[0], F.silu(g.to(dtype)), rtol=1e-6, atol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up, lib=lib)[0],  # type: ignore[arg-type]
+                               F.silu(g.to(dtype)), rtol=1e-6, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
@@ -239,9 +252,12 @@ def test_prefill_mlp_takes_the_native_silu_where_it_is_vectorised(monkeypatch: p
         assert (out.float() - ref).abs().max() <= 4 * 2.0 ** -8 * ref.abs().max()
 
 
+@pytest.mark.parametrize("path", ["native", "avx2", "sse2"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_rope_write_kv_matches_reference(dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_rope_write_kv_matches_reference(path: str, dtype: torch.dtype, head_dim: int) -> None:
+    """Each build (8-lane rotation where head_dim / 2 is a multiple of 8; 40: the scalar loop in every build)."""
+    lib = _lib_for(path)
     g = torch.Generator().manual_seed(head_dim)
     hq, hk, t, num_slots = 6, 2, 5, 40
     rotary = RotaryEmbedding(head_dim, 512, 10000.0)
@@ -253,11 +269,36 @@ def test_rope_write_kv_matches_reference(dtype: torch.dtype, head_dim: int) -> N
     q, k, v = qkv.clone().split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
     q_ref, k_ref = rotary(positions, q.reshape(t, hq, head_dim), k.reshape(t, hk, head_dim))
     write_kv(k_ref, v.reshape(t, hk, head_dim), kc_ref, vc_ref, slots)
-    cpu_kernels.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, kc, vc, slots, hq, hk, head_dim)
+    cpu_kernels.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, kc, vc, slots, hq, hk, head_dim,
+                              lib=lib)  # type: ignore[arg-type]
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 1e-2}
     torch.testing.assert_close(qkv[:, :hq * head_dim].reshape(t, hq, head_dim), q_ref, **tol)
     torch.testing.assert_close(kc, kc_ref, **tol)
     torch.testing.assert_close(vc, vc_ref, rtol=0, atol=0)  # v is copied, not computed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_rope_write_kv_vector_rows_equal_the_scalar_loop_bitwise(dtype: torch.dtype) -> None:
+    """The 8-lane rotation rounds as the scalar loop does, op for op: the native and AVX2 builds give the SSE2
+    build's bits (q, k rotated; k, v in the cache), at head_dim 64 and 128."""
+    libs = [_lib_for(p) for p in ("native", "avx2", "sse2")]
+    for head_dim in (64, 128):
+        g = torch.Generator().manual_seed(7 + head_dim)
+        rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
+        qkv = (torch.randn(9, 8 * head_dim, generator=g) * 3).to(dtype)
+        positions = torch.tensor([0, 1, 5, 100, 511, 1000, 2047, 3000, 4095])
+        slots = torch.arange(9) * 2
+        results = []
+        for lib in libs:
+            q = qkv.clone()
+            kc, vc = torch.zeros(18, 1, 2, head_dim, dtype=dtype), torch.zeros(18, 1, 2, head_dim, dtype=dtype)
+            cpu_kernels.rope_write_kv(q, positions, rotary.cos, rotary.sin, kc, vc, slots, 4, 2, head_dim,
+                                      lib=lib)  # type: ignore[arg-type]
+            results.append((q, kc, vc))
+        for q, kc, vc in results[:-1]:
+            for a, b in zip((q, kc, vc), results[-1], strict=True):
+                assert torch.equal(a.view(torch.int16 if dtype == BF16 else torch.int32),
+                                   b.view(torch.int16 if dtype == BF16 else torch.int32))
 
 
 @pytest.mark.parametrize("act,cache", [(torch.float32, BF16), (BF16, torch.float32)])
