@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "avx2_util.h"
 #include "bf16.h"
 #include "kv8.h"
 
@@ -165,12 +166,6 @@ static inline __attribute__((always_inline)) __m256 round8(__m256 f) { /* the fl
 static inline __attribute__((always_inline)) void st8(void *p, int64_t i, __m256 f, int bf16) {
     if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)p + i), narrow8(f));
     else _mm256_storeu_ps((float *)p + i, f);
-}
-
-static inline __attribute__((always_inline)) float hsum8(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
 }
 
 static inline __attribute__((always_inline)) void silu_mul_row8(const void *gate_up, void *out, int64_t m,
@@ -332,16 +327,16 @@ void silu_mul(const void *gate_up, void *out, int64_t M, int64_t F, int bf16) {
 }
 
 /* One head vector of D values rotated in place: out[i] = x[i]*cos[i] - x[i+D/2]*sin[i],
- * out[i+D/2] = x[i+D/2]*cos[i+D/2] + x[i]*sin[i+D/2]. cos/sin rows are float32 [D] (cast to the dtype
- * first, as the reference casts its tables; the products and the sum are rounded as torch rounds them). */
+ * out[i+D/2] = x[i+D/2]*cos[i+D/2] + x[i]*sin[i+D/2]. cos/sin rows are float32 [D] holding values of the
+ * dtype (rope_heads rounds them to bf16 first, as the reference casts its tables; the products and the sum
+ * are rounded as torch rounds them). */
 static inline __attribute__((always_inline)) void rope_vec(void *x, int64_t off, const float *c, const float *s, int64_t D, int bf16) {
     const int64_t h = D / 2;
     for (int64_t i = 0; i < h; i++) {
         const float a = ld(x, off + i, bf16), b = ld(x, off + i + h, bf16);
-        float c0 = c[i], s0 = s[i], c1 = c[i + h], s1 = s[i + h];
+        const float c0 = c[i], s0 = s[i], c1 = c[i + h], s1 = s[i + h];
         float r0, r1;
         if (bf16) {
-            c0 = bf16_round(c0), s0 = bf16_round(s0), c1 = bf16_round(c1), s1 = bf16_round(s1);
             r0 = bf16_round(bf16_round(a * c0) + bf16_round(-b * s0));
             r1 = bf16_round(bf16_round(b * c1) + bf16_round(a * s1));
         } else {
@@ -361,11 +356,10 @@ static inline __attribute__((always_inline)) void rope_vec8(void *x, int64_t off
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int64_t i = 0; i < h; i += 8) {
         const __m256 a = ld8(x, off + i, bf16), b = ld8(x, off + i + h, bf16);
-        __m256 c0 = _mm256_loadu_ps(c + i), s0 = _mm256_loadu_ps(s + i);
-        __m256 c1 = _mm256_loadu_ps(c + i + h), s1 = _mm256_loadu_ps(s + i + h);
+        const __m256 c0 = _mm256_loadu_ps(c + i), s0 = _mm256_loadu_ps(s + i);
+        const __m256 c1 = _mm256_loadu_ps(c + i + h), s1 = _mm256_loadu_ps(s + i + h);
         __m256 r0, r1;
         if (bf16) {
-            c0 = round8(c0), s0 = round8(s0), c1 = round8(c1), s1 = round8(s1);
             r0 = round8(_mm256_add_ps(round8(_mm256_mul_ps(a, c0)), round8(_mm256_mul_ps(_mm256_xor_ps(b, sign), s0))));
             r1 = round8(_mm256_add_ps(round8(_mm256_mul_ps(b, c1)), round8(_mm256_mul_ps(a, s1))));
         } else {
@@ -381,6 +375,18 @@ static inline __attribute__((always_inline)) void rope_vec8(void *x, int64_t off
 #define ROPE_VEC rope_vec
 #endif
 
+/* The H heads of one token at x + base rotated at one position (cos/sin rows c, s: float32 [D]). bf16 rounds the
+ * two rows to bf16 once for all heads (was once per head: 15x per token for SmolLM2's 9 + 3 + 3). */
+static inline void rope_heads(void *x, int64_t base, const float *c, const float *s, int64_t H, int64_t D, int bf16) {
+    if (bf16) {
+        float cr[D], sr[D];
+        for (int64_t i = 0; i < D; i++) cr[i] = bf16_round(c[i]), sr[i] = bf16_round(s[i]);
+        for (int64_t h = 0; h < H; h++) ROPE_VEC(x, base + h * D, cr, sr, D, 1);
+    } else {
+        for (int64_t h = 0; h < H; h++) ROPE_VEC(x, base + h * D, c, s, D, 0);
+    }
+}
+
 /* qkv: [T, row_stride] holding q [Hq*D], k [Hk*D], v [Hk*D] at column offsets 0, Hq*D, (Hq+Hk)*D;
  * q and k rotated in place at positions[t]; then k and v written to slot slot_mapping[t] of
  * k_cache / v_cache ([num_slots, Hk, D]): copied when the cache has qkv's dtype (kv_bf16 == bf16), else
@@ -394,10 +400,7 @@ void rope_write_kv(void *qkv, int64_t row_stride, const int64_t *positions, cons
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
         const int64_t base = t * row_stride;
-        for (int64_t h = 0; h < Hq + Hk; h++) {
-            if (bf16) ROPE_VEC(qkv, base + h * D, c, s, D, 1);
-            else ROPE_VEC(qkv, base + h * D, c, s, D, 0);
-        }
+        rope_heads(qkv, base, c, s, Hq + Hk, D, bf16);
         const char *row = (const char *)qkv + (size_t)base * esz;
         const int64_t n = Hk * D, slot = slot_mapping[t];
         if (kv_bf16 == bf16) {
@@ -430,10 +433,7 @@ int rope_write_kv8(void *qkv, int64_t row_stride, const int64_t *positions, cons
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;
         const int64_t base = t * row_stride;
-        for (int64_t h = 0; h < Hq + Hk; h++) {
-            if (bf16) ROPE_VEC(qkv, base + h * D, c, s, D, 1);
-            else ROPE_VEC(qkv, base + h * D, c, s, D, 0);
-        }
+        rope_heads(qkv, base, c, s, Hq + Hk, D, bf16);
         float row[KV8_MAX_D];
         for (int64_t h = 0; h < 2 * Hk; h++) { /* k heads, then v heads */
             const int64_t off = base + (Hq + h) * D;

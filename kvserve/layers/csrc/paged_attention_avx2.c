@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "avx2_util.h"
 #include "decode_job.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -76,12 +77,6 @@ static inline void interleave16(float *x, int64_t n) {
 static inline __attribute__((always_inline)) __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-
-static inline __attribute__((always_inline)) float hsum1(__m256 a) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
 static inline __attribute__((always_inline)) void prefetch_row(const char *p, int64_t bytes) {
@@ -164,7 +159,7 @@ static inline __attribute__((always_inline)) void item_avx2(const job_t *j, int6
                             }
                         else
                             for (int c = 0; c < 8; c++) a = _mm256_fmadd_ps(qv[c], load8(kc, k0 + 8 * c), a);
-                        sc[i] += hsum1(a);
+                        sc[i] += hsum8(a);
                     }
                 }
                 int64_t i = 0;

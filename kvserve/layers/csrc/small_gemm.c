@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "avx2_util.h"
 #include "avx512_util.h"
 #include "bf16.h"
 #ifdef _OPENMP
@@ -362,13 +363,6 @@ static void gemm_dpbf16(const uint16_t *xh, const uint16_t *w, const float *bias
 #ifndef ROW_AVX2_MAX_M
 #define ROW_AVX2_MAX_M 12
 #endif
-static inline __attribute__((always_inline)) float hsum256(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
-    return _mm_cvtss_f32(a);
-}
-
 /* acc_out[m] = w_row . x[m0 + m] for m < mt (mt <= 4, a constant at each call site). x: float32 rows (stride K);
  * xp: x permuted as tile_bf16 expects (bf16 weights only). */
 static inline __attribute__((always_inline)) void row_avx2(const float *x, const float *xp, const void *wrow,
@@ -407,7 +401,7 @@ static inline __attribute__((always_inline)) void row_avx2(const float *x, const
             }
         }
         for (int m = 0; m < mt; m++) {
-            float s = hsum256(_mm256_add_ps(a[m][0], a[m][1]));
+            float s = hsum8(_mm256_add_ps(a[m][0], a[m][1]));
             for (int64_t kk = k; kk < K; kk++) s += bf16_widen(w[kk]) * x[(m0 + m) * K + kk];
             acc_out[m] = s;
         }
@@ -423,7 +417,7 @@ static inline __attribute__((always_inline)) void row_avx2(const float *x, const
             }
         }
         for (int m = 0; m < mt; m++) {
-            float s = hsum256(_mm256_add_ps(a[m][0], a[m][1]));
+            float s = hsum8(_mm256_add_ps(a[m][0], a[m][1]));
             for (int64_t kk = k; kk < K; kk++) s += w[kk] * x[(m0 + m) * K + kk];
             acc_out[m] = s;
         }
