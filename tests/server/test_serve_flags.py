@@ -216,3 +216,35 @@ def test_cors_flag_that_is_not_a_list_of_strings_is_refused(value: str, capsys: 
         _serve_args("--allowed-methods", value)
     assert e.value.code == 2
     assert "--allowed-methods" in capsys.readouterr().err
+
+
+# ---- the HTTP stack and the SSE encoding -------------------------------------------------------------
+def test_http_stack_auto_prefers_uvloop_httptools_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    assert server_module.http_stack(_serve_args()) == ("uvloop", "httptools")  # both are dependencies
+    assert server_module.http_stack(_serve_args("--uvicorn-loop", "asyncio", "--uvicorn-http", "h11")) == (
+        "asyncio", "h11")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("uvloop", "httptools") else real(name, *a))
+    assert server_module.http_stack(_serve_args()) == ("asyncio", "h11")
+    for flag, value in (("--uvicorn-loop", "uvloop"), ("--uvicorn-http", "httptools")):
+        with pytest.raises(InvalidRequestError, match=f"{value} is not installed") as e:
+            server_module.http_stack(_serve_args(flag, value))
+        assert e.value.param == flag[2:].replace("-", "_")
+
+
+def test_sse_bytes_equal_json_dumps() -> None:
+    import json
+
+    from kvserve.entrypoints.openai.serving import SSE_DONE, sse
+
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1796661890, "model": "m",
+             "choices": [{"index": 0, "text": " Paris\u2028é ✓\x01\"\\\n", "logprobs": {
+                 "tokens": [" Paris"], "token_logprobs": [-0.25], "top_logprobs": [{" Paris": -0.25, "x": -9999.0}],
+                 "text_offset": [0]}, "finish_reason": None, "stop_reason": None}],
+             "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+    expected = f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    assert sse(chunk) == expected
+    assert SSE_DONE == b"data: [DONE]\n\n"

@@ -33,6 +33,15 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
+def fallback_server() -> Iterator[Server]:
+    """The same server on the fallback HTTP stack (asyncio + h11), as where uvloop / httptools are missing."""
+    s = Server("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--uvicorn-loop", "asyncio",
+               "--uvicorn-http", "h11")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
@@ -321,7 +330,9 @@ def _idle_within(server: Server, seconds: float) -> float:
     return time.monotonic() - t0
 
 
-def test_client_disconnect_aborts_within_a_second(server: Server) -> None:
+@pytest.mark.parametrize("stack", ["server", "fallback_server"])
+def test_client_disconnect_aborts_within_a_second(stack: str, request: pytest.FixtureRequest) -> None:
+    server: Server = request.getfixturevalue(stack)
     before = server.metrics()["kvserve:request_success_total{abort}"]
     with httpx.Client(timeout=60) as h, h.stream("POST", server.url + C, json={**_LONG, "stream": True}) as r:
         lines = r.iter_lines()  # NOTE: keep a reference: closing the iterator closes the connection
@@ -413,3 +424,26 @@ def test_over_max_waiting_requests_is_429(guarded: Server) -> None:
         t.join()
     assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
     assert is_idle(guarded.wait_idle())
+
+
+# ---- the HTTP stack ------------------------------------------------------------------------------------
+def test_both_http_stacks_stream_the_same_events(server: Server, fallback_server: Server) -> None:
+    """uvloop + httptools (the default where installed) and asyncio + h11 (forced): the startup line names the
+    stack, and a streamed greedy completion and chat with logprobs are the same events on both."""
+    assert "[kvserve] HTTP: uvicorn on uvloop + httptools" in server.log_text()
+    assert "[kvserve] HTTP: uvicorn on asyncio + h11" in fallback_server.log_text()
+    bodies = [(C, {"prompt": "The capital of France is", "logprobs": 2}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour é ✓."}],
+                                        "logprobs": True, "top_logprobs": 2})]
+    for path, extra in bodies:
+        body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}
+        seen = []
+        for s in (server, fallback_server):
+            with httpx.stream("POST", s.url + path, json=body, timeout=60) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                events = sse_events(r.iter_lines())
+            assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 12
+            seen.append([{k: v for k, v in e.items() if k not in ("id", "created")} if isinstance(e, dict) else e
+                         for e in events])
+        assert seen[0] == seen[1], path

@@ -1,7 +1,7 @@
 """What the completion and chat handlers share: the server context, prompt checks, streams, SSE, usage.
 
-Responses are built as plain dicts and encoded with ``json.dumps`` (no pydantic on the way out): a stream
-chunk costs a few microseconds, so 64 streaming clients do not make the HTTP side the bottleneck.
+Responses are built as plain dicts (no pydantic on the way out); stream chunks are encoded with msgspec (see
+:func:`sse`), so 64 streaming clients do not make the HTTP side the bottleneck.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -17,6 +16,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 
 from kvserve.engine.async_llm import AsyncLLM, RequestStream
@@ -232,11 +232,23 @@ def now_s() -> int:
     return int(time.time())
 
 
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_JSON = msgspec.json.Encoder()
 
 
-SSE_DONE = "data: [DONE]\n\n"
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event: ``data: <obj as compact UTF-8 JSON>`` and a blank line.
+
+    msgspec's encoder (~0.5 us for a completion chunk against ~6 us for ``json.dumps``; this runs once per
+    streamed token and request on the event loop). Same bytes as ``json.dumps(obj, ensure_ascii=False,
+    separators=(",", ":"))`` except float spelling (``1e-7``, not ``1e-07``) and NaN/inf as ``null`` (valid JSON).
+
+    Raises:
+        TypeError: ``obj`` holds something JSON cannot encode.
+    """
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -101,7 +101,7 @@ def _entry(ctx: ServerContext, token_id: int, logprob: float) -> dict[str, Any]:
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolCallPlan, request_id: str,
-                  stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[str]:
+                  stream: RequestStream, num_prompt_tokens: int) -> AsyncIterator[bytes]:
     head = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": ctx.served_model_name}
     n = req.n
     text_len, num_lps, done = [0] * n, [0] * n, [False] * n

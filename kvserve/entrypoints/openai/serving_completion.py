@@ -109,7 +109,7 @@ def _logprobs_builder(ctx: ServerContext, req: CompletionRequest, echo: str,
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, request_id: str, streams: list[RequestStream],
-                  echoes: list[str], num_prompt_tokens: int) -> AsyncIterator[str]:
+                  echoes: list[str], num_prompt_tokens: int) -> AsyncIterator[bytes]:
     created, n = now_s(), req.n
     sent = [_Sent() for _ in range(len(streams) * n)]
     finals: dict[int, RequestOutput] = {}
