@@ -430,8 +430,8 @@ def test_over_max_waiting_requests_is_429(guarded: Server) -> None:
 def test_both_http_stacks_stream_the_same_events(server: Server, fallback_server: Server) -> None:
     """uvloop + httptools (the default where installed) and asyncio + h11 (forced): the startup line names the
     stack, and a streamed greedy completion and chat with logprobs are the same events on both."""
-    assert "[kvserve] HTTP: uvicorn on uvloop + httptools" in server.log_text()
-    assert "[kvserve] HTTP: uvicorn on asyncio + h11" in fallback_server.log_text()
+    assert "[kvserve] HTTP: uvicorn on uvloop + httptools" in server.log.read_text(errors="replace")
+    assert "[kvserve] HTTP: uvicorn on asyncio + h11" in fallback_server.log.read_text(errors="replace")
     bodies = [(C, {"prompt": "The capital of France is", "logprobs": 2}),
               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour é ✓."}],
                                         "logprobs": True, "top_logprobs": 2})]
