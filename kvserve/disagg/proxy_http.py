@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from kvserve.disagg.proxy_backends import Backend, Pool
@@ -31,9 +32,21 @@ def error_response(status: int, message: str, err_type: str, param: str | None =
     return web.json_response(error_body(message, err_type, status, param), status=status)
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
 def sse(obj: dict[str, Any]) -> bytes:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    """One server-sent event carrying ``obj`` as compact UTF-8 JSON; the proxies call it once per streamed token.
+
+    msgspec's encoder, as the server's ``sse`` (``kvserve.entrypoints.openai.serving``, not imported here: it
+    would pull Starlette and the engine into the aiohttp proxies): ~0.5 us a completion chunk against ~6 us for
+    ``json.dumps``. Same bytes as ``json.dumps(obj, ensure_ascii=False, separators=(",", ":"))`` except float
+    spelling (``1e-7``, not ``1e-07``) and NaN/inf as ``null``.
+
+    Raises:
+        TypeError: ``obj`` holds something JSON cannot encode.
+    """
+    return b"data: " + _ENCODER.encode(obj) + b"\n\n"
 
 
 class UpstreamError(Exception):
@@ -158,7 +171,15 @@ async def sse_events(resp: aiohttp.ClientResponse, role: str) -> AsyncIterator[d
 
 
 def json_or_none(raw: bytes) -> Any:
-    """``raw`` parsed as JSON; None when it is not JSON."""
+    """``raw`` parsed as JSON; None when it is not JSON.
+
+    msgspec first (a streamed event per token goes through here), then ``json.loads`` for what msgspec refuses
+    and Python's json accepts (``NaN`` / ``Infinity`` literals, integers beyond 64 bits), so the result is
+    ``json.loads``'s."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        pass
     try:
         return json.loads(raw)
     except ValueError:

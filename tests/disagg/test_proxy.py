@@ -636,3 +636,18 @@ def test_port_in_use_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> 
     assert code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"error: port: cannot listen on 127.0.0.1:{port}")
+
+
+def test_proxy_sse_and_json_parse_match_python_json() -> None:
+    from kvserve.disagg.proxy_http import json_or_none, sse
+
+    chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1796661890, "model": MODEL,
+             "choices": [{"index": 0, "text": " Paris\u2028é ✓\x01\"\\\n", "logprobs": {
+                 "tokens": [" Paris"], "token_logprobs": [-0.25], "top_logprobs": [{" Paris": -0.25, "x": -9999.0}]},
+                 "finish_reason": None}], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}
+    encoded = sse(chunk)
+    assert encoded == f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    assert json_or_none(encoded[6:-2]) == chunk
+    # what msgspec refuses and Python's json accepts still parses as json.loads does; non-JSON is None
+    assert json_or_none(b'{"a": NaN, "b": 123456789012345678901234567890}')["b"] == 123456789012345678901234567890
+    assert json_or_none(b"[DONE]") is None and json_or_none(b"\xff{") is None
