@@ -21,7 +21,7 @@ import aiohttp
 from tqdm import tqdm
 
 from kvserve.bench import datasets as ds
-from kvserve.bench.client import RequestInput, RequestResult, connection_trace, send_request
+from kvserve.bench.client import RequestInput, RequestResult, connection_trace, run_async, send_request
 from kvserve.bench.metrics import SLO, best_point, loadavg, meets_slo, summarize
 
 
@@ -130,7 +130,7 @@ def run_point(cfg: ClientConfig, requests: list[ds.SampleRequest], load: LoadSpe
               progress: bool = True, keep_requests: bool = True) -> dict[str, Any]:
     """One measured run: its load, machine load averages before/after, summary and per-request timings."""
     before = loadavg()
-    results, duration = asyncio.run(run_load(cfg, requests, load, seed, progress))
+    results, duration = run_async(run_load(cfg, requests, load, seed, progress))
     after = loadavg()
     summary = summarize(results, duration, slo)
     point: dict[str, Any] = {
@@ -156,7 +156,7 @@ def warmup(cfg: ClientConfig, req: ds.SampleRequest) -> RequestResult:
         RuntimeError: the request failed (server down, wrong model name ...), with the error.
     """
     short = ds.SampleRequest(req.prompt, req.prompt_len, 4, req.system, multi_turn=req.multi_turn)
-    results, _ = asyncio.run(run_load(cfg, [short], LoadSpec(), progress=False))
+    results, _ = run_async(run_load(cfg, [short], LoadSpec(), progress=False))
     if not results[0].success:
         raise RuntimeError(f"warm-up request to {cfg.base_url} failed: {results[0].error}")
     return results[0]

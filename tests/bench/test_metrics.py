@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from kvserve.bench.client import RequestInput, RequestResult, request_body, timings_from_chunks
+from kvserve.bench import client
+from kvserve.bench.client import RequestInput, RequestResult, request_body, run_async, timings_from_chunks
 from kvserve.bench.metrics import SLO, best_point, distribution, meets_slo, summarize
 from kvserve.bench.report import plot_sweep
 
@@ -26,6 +29,20 @@ def test_timings_from_chunks() -> None:
     assert itl == pytest.approx([0.03]) and not known
     with pytest.raises(ValueError):
         timings_from_chunks([], [])
+
+
+def test_run_async_prefers_uvloop_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def loop_module(x: int) -> tuple[int, str]:
+        await asyncio.sleep(0)
+        return x + 1, type(asyncio.get_running_loop()).__module__
+
+    have_uvloop = importlib.util.find_spec("uvloop") is not None
+    value, module = run_async(loop_module(1))
+    assert value == 2 and module.startswith("uvloop") == have_uvloop
+    real = importlib.util.find_spec
+    monkeypatch.setattr(client.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvloop" else real(name, *a))
+    assert run_async(loop_module(2)) == (3, "asyncio.unix_events")
 
 
 def test_tpot_definition() -> None:
