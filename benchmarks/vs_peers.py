@@ -91,7 +91,7 @@ if str(REPO) not in sys.path:
 
 import aiohttp  # noqa: E402
 
-from kvserve.bench.client import RequestInput, RequestResult, send_request  # noqa: E402
+from kvserve.bench.client import RequestInput, RequestResult, run_async, send_request  # noqa: E402
 from kvserve.bench.metrics import SLO, summarize  # noqa: E402
 
 # ---- workloads (the same definitions and RNG draw order as anchor_bench.make_workload) -----------------
@@ -427,7 +427,7 @@ def warmup(base_url: str, salted: bool) -> RequestResult:
             extra = request_extra(salted, "warmup", f"vs-peers-warmup-{time.time_ns()}", 8)
             inp = RequestInput("completions", base_url, "m", warmup_prompt(), 8, ignore_eos=True, logprobs=False)
             return await send_request(cast(aiohttp.ClientSession, _BodyExtras(s, extra)), inp, time.perf_counter())
-    return asyncio.run(go())
+    return run_async(go())
 
 
 def _ms(dist: dict[str, float | None], p: int) -> float | None:
@@ -541,16 +541,40 @@ def roofline_record(runs: list[dict[str, Any]], args: argparse.Namespace) -> dic
         b = step_bytes(served_dtype_bytes(rec["engine"], args))
         roof = gbs * 1e9 / b
         v = headline(rec)
+        paired = paired_request_pcts(rec, b)
         per_run.setdefault(rec["engine"], []).append(dict(
             round=rec.get("round", 1), read_gbs=gbs, step_bytes=b, roofline_step_ms=round(b / (gbs * 1e9) * 1e3, 3),
-            roofline_tok_s=round(roof, 1), pct=None if v is None else round(100 * v / roof, 1)))
+            roofline_tok_s=round(roof, 1), pct=None if v is None else round(100 * v / roof, 1),
+            request_pcts=paired))
     engines = {}
     for k, rs in per_run.items():
         pcts = [r["pct"] for r in rs if r["pct"] is not None]
+        req = [p for r in rs for p in r["request_pcts"] if p is not None]
         engines[k] = dict(read_gbs=round(statistics.median(r["read_gbs"] for r in rs), 2),
                           roofline_tok_s=round(statistics.median(r["roofline_tok_s"] for r in rs), 1),
-                          pct=round(statistics.median(pcts), 1) if pcts else None, runs=rs)
+                          pct=round(statistics.median(pcts), 1) if pcts else None,
+                          paired_pct=round(statistics.median(req), 1) if req else None, runs=rs)
     return dict(engines=engines)
+
+
+def paired_request_pcts(rec: dict[str, Any], step_b: int) -> list[float | None]:
+    """Per request of a serial decode run: its decode rate (1000 / its TPOT in ms) as a % of the roofline at the
+    mean of the two probes around it (the one just before it and the one just after: ``bandwidth_probes[i]``
+    and ``[i + 1]``, as ``_closed_loop`` takes them). The host's bandwidth switches between regimes for seconds
+    at a time (performance-log.md, s43), so a request is set against the bandwidth of its own seconds rather
+    than the run's median. None for a failed request; [] when the record has no per-request TPOTs or the probes
+    do not bracket every request.
+
+    Example: TPOT 10 ms between probes of 30 and 34 GB/s, 269 MB a step: 100 tok/s against 32e9 / 269e6 =
+    119 steps/s, 84 %."""
+    tpots, probes = rec.get("request_tpot_ms") or [], rec.get("bandwidth_probes") or []
+    if not tpots or len(probes) != len(tpots) + 1:
+        return []
+    out: list[float | None] = []
+    for i, t in enumerate(tpots):
+        gbs = (probes[i]["read_gbs"] + probes[i + 1]["read_gbs"]) / 2
+        out.append(None if not t else round(100 * (1000 / t) / (gbs * 1e9 / step_b), 1))
+    return out
 
 
 # ---- the table -------------------------------------------------------------------------------------------------
@@ -653,13 +677,17 @@ def format_table(result: dict[str, Any]) -> str:
             for k in engines:
                 e = roof["engines"].get(k)
                 row.append("-" if e is None or e.get("pct") is None
-                           else f"{e['pct']:.0f} % of {e['roofline_tok_s']} ({e['read_gbs']})")
+                           else f"{e['pct']:.0f} % of {e['roofline_tok_s']} ({e['read_gbs']})"
+                           + ("" if e.get("paired_pct") is None else f"; per request {e['paired_pct']:.0f} %"))
             rows.append(row + [""] * len(pairs))
     notes = ["cells: output tok/s (TTFT p99; ITL p99 ms); decode: batch-1 tok/s = 1000/TPOT p50 (ITL p50 ms); "
              f"* other_cpu_frac > {CONTAMINATED}"]
     if rounds > 1:
         notes.append(f"{rounds} interleaved rounds: medians over the rounds; ratios: the median of the per-round "
                      "ratios; roofline %: the median of the per-round %")
+    if any(e.get("paired_pct") is not None for e in (result.get("roofline") or {}).get("engines", {}).values()):
+        notes.append("roofline per request: each decode request against the mean of the probes just before and "
+                     "after it; the median over requests (and rounds)")
     for k in engines:
         e = result["engines"][k]
         if e.get("note"):
@@ -741,12 +769,13 @@ class EngineRun:
         probe = None
         if args.roofline and wl == "decode" and c == 1:
             probe = lambda label: probe_bandwidth(args.threads, f"{spec.label} decode, {label}")  # noqa: E731
-        results, wall, con, srv, probes = asyncio.run(
+        results, wall, con, srv, probes = run_async(
             _closed_loop(self.base_url, reqs, c, spec.salted, wl, salt, server.pid, probe))
         rec = run_record(spec, wl, c, args.seed, reqs, results, wall, con, srv, isolation)
         rec["round"] = round_no
         if probes:
             rec["bandwidth_probes"] = probes
+            rec["request_tpot_ms"] = [None if r.tpot is None else round(1000 * r.tpot, 3) for r in results]
             gbs = sorted(p["read_gbs"] for p in probes)
             print(f"{time.strftime('%T')} {spec.label}: {len(gbs)} bandwidth probes between the decode requests, "
                   f"read {gbs[0]}-{gbs[-1]} GB/s, median {statistics.median(gbs)}", flush=True)

@@ -200,7 +200,8 @@ def test_roofline_bytes_and_row() -> None:
     assert vp.step_bytes(2) == 134_515_008 * 2 + 96 * 11_520 * 2
     assert vp.step_bytes(4) == 134_515_008 * 4 + 96 * 11_520 * 4
     kv = dict(_rec("kv", "decode", 1, 20.0, 50.0, 40.0, itl50=20.0, decode=50.0),
-              bandwidth_probes=[dict(read_gbs=30.0), dict(read_gbs=55.0), dict(read_gbs=36.0)])
+              bandwidth_probes=[dict(read_gbs=30.0), dict(read_gbs=55.0), dict(read_gbs=36.0)],
+              request_tpot_ms=[20.0, 25.0])
     vllm = dict(_rec("vllm", "decode", 1, 30.0, 40.0, 30.0, itl50=24.0, decode=40.3),
                 bandwidth_probes=[dict(read_gbs=40.0), dict(read_gbs=42.0)])
     mixed = _rec("kv", "mixed", 16, 81.9, 7575.0, 960.0)
@@ -218,6 +219,15 @@ def test_roofline_bytes_and_row() -> None:
     vllm_pct = round(100 * 40.3 / roof["engines"]["vllm"]["roofline_tok_s"])
     assert f"{kv_pct} % of {roof['engines']['kv']['roofline_tok_s']}" in row
     assert f"{vllm_pct} % of {roof['engines']['vllm']['roofline_tok_s']}" in row
+    # per request: each TPOT against the mean of the probes around it (30|55 -> 42.5 GB/s, 55|36 -> 45.5 GB/s)
+    b4 = vp.step_bytes(4)
+    req = [round(100 * 50.0 / (42.5e9 / b4), 1), round(100 * 40.0 / (45.5e9 / b4), 1)]
+    assert roof["engines"]["kv"]["runs"][0]["request_pcts"] == req
+    assert roof["engines"]["kv"]["paired_pct"] == round((req[0] + req[1]) / 2, 1)
+    assert roof["engines"]["vllm"]["paired_pct"] is None  # no per-request TPOTs recorded
+    assert f"per request {roof['engines']['kv']['paired_pct']:.0f} %" in row and row.count("per request") == 1
+    assert vp.paired_request_pcts(dict(kv, request_tpot_ms=[20.0]), b4) == []  # probes must bracket each request
+    assert vp.paired_request_pcts(dict(kv, request_tpot_ms=[None, 25.0]), b4) == [None, req[1]]
 
 
 def test_rounds_aggregate_to_medians_and_paired_ratios() -> None:
