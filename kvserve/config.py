@@ -29,7 +29,7 @@ def _require(ok: bool, name: str, message: str) -> None:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 # Budget of a step while a burst's prompts wait (at least this many prompt tokens not yet computed), when neither
 # --max-num-batched-tokens nor --burst-batched-tokens is given (0: off). CPU: vLLM-CPU's step budget; the bursts'
-# prompts are prefilled in fewer steps, and outside bursts steps stay at 512 (docs/performance.md).
+# prompts are prefilled in fewer steps, and outside bursts steps stay at 512 (docs/performance-log.md).
 DEFAULT_BURST_BATCHED_TOKENS = {"cpu": 2048, "cuda": 0}
 
 
@@ -62,7 +62,7 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes); None: the device's
             default (``DEFAULT_MAX_NUM_BATCHED_TOKENS``: 512 on CPU, 2,048 on CUDA), and at least
             ``max_model_len`` when chunked prefill is off. On CPU, 512-token steps served workload A 1.2-1.4x
-            the tokens/s of 2,048-token steps with a third of the ITL p99 (docs/performance.md).
+            the tokens/s of 2,048-token steps with a third of the ITL p99 (docs/performance-log.md).
         burst_batched_tokens: token budget of a step while at least that many prompt tokens wait to be
             prefilled (a burst of arrivals: fewer, larger prefill steps; ``SchedulerConfig.step_budget``); 0: off;
             None: ``DEFAULT_BURST_BATCHED_TOKENS`` (2,048 on CPU, off on CUDA) when ``max_num_batched_tokens``

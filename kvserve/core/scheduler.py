@@ -95,7 +95,7 @@ class SchedulerConfig:
         A step of ``burst_batched_tokens`` only while the backlog fills one: under a burst of arrivals the
         prompts behind the first are prefilled in fewer, larger steps (fewer passes with the running decodes;
         server, SmolLM2 bf16 on 2 Zen 5 cores, 2,048 vs 512 tokens: TTFT p99 of vs_peers' A c16 2.8 vs 3.6 s,
-        A c64 12.0 vs 13.1 s, docs/performance.md window s26b); once the backlog is smaller the step goes back
+        A c64 12.0 vs 13.1 s, docs/performance-log.md window s26b); once the backlog is smaller the step goes back
         to ``max_num_batched_tokens``, which keeps the decodes' inter-token gaps short.
 
         Args:

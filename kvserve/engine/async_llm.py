@@ -202,7 +202,7 @@ class AsyncLLM:
             on 2 vCPUs (SmolLM2 bf16, 2 threads, one streamed request, timestamps in the loop): the gap between
             two steps is 0.66-0.70 ms inline against 0.95-0.97 ms with the thread's two hand-offs, of which
             ~0.55 ms is the handlers' own work (half of it the socket write that wakes the client). Through the
-            server against the thread in the same rounds (window s27, docs/performance.md) it was no
+            server against the thread in the same rounds (window s27, docs/performance-log.md) it was no
             consistent win: batch-1 decode 0.94x, A c1 1.03x, A c16 0.92x, A c64 1.13x, B c16 1.03x.
 
     Call :meth:`start` from the running event loop, :meth:`shutdown` to stop.

@@ -269,7 +269,7 @@ class LLMEngine:
             logger.info("%s weights with %s activations: CPU %s has no native bf16 dot products", self.dtype,
                         self.compute_dtype, cpu_features.describe())
         # The weights' dtype, not the activations': on AVX2 a bf16 model computes in float32 over a bf16 cache
-        # (half the KV bytes; A mixed c64 offline 1.036x the float32 cache's tok/s on Zen 3, docs/performance.md).
+        # (half the KV bytes; A mixed c64 offline 1.036x the float32 cache's tok/s on Zen 3, docs/performance-log.md).
         self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(config.model)

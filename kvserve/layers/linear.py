@@ -2,7 +2,7 @@
 
 At M = 1..``SMALL_M_MAX`` tokens a linear is bound by reading its weight; ``cpu_kernels.small_gemm``
 streams the weight at the memory bandwidth where ``F.linear`` reaches about half of it
-(docs/performance.md). Above that, or on CUDA, or without the native kernels, ``F.linear`` (oneDNN/MKL,
+(docs/performance-log.md). Above that, or on CUDA, or without the native kernels, ``F.linear`` (oneDNN/MKL,
 cuBLAS) is used: it is also the reference the kernel is tested against. Exception: float32 activations on an
 AVX2 build take the native kernel at every M (``small_gemm`` hands M >= 12 to ``panel_gemm``, faster than
 ``F.linear`` there, and it never widens a bf16 weight in memory).
@@ -18,9 +18,9 @@ from torch import nn
 
 from kvserve.layers import cpu_kernels, onednn
 
-SMALL_M_MAX = 32  # rows; below it the native kernel beat F.linear (fp32 and bf16 weights), docs/performance.md
+SMALL_M_MAX = 32  # rows; below it the native kernel beat F.linear (fp32 and bf16 weights), docs/performance-log.md
 # bf16 x bf16 with AVX512-BF16 (the 4 x 4 vdpbf16ps tiles): 20-40 % faster than F.linear up to M = 64 on
-# Zen 4 with 2 threads, even at M = 128, slower from 256 (docs/performance.md).
+# Zen 4 with 2 threads, even at M = 128, slower from 256 (docs/performance-log.md).
 SMALL_M_MAX_BF16 = 64
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -10,7 +10,7 @@ The MLP's ``silu(x @ Wg^T) * (x @ Wu^T)`` becomes two GEMMs with oneDNN post-ops
 ``swish`` eltwise post-op, then the up GEMM with a binary ``mul`` by the gate, so the ``[M, 2I]`` gate/up
 activation is never written and re-read by a separate SiLU·mul pass. Measured on the project's Zen 5 host
 (2 threads, M = 512, 30 SmolLM2 MLPs, paired runs): 0.94x the time with reordered weights alone, 0.90x
-fused (``docs/performance.md``).
+fused (``docs/performance-log.md``).
 
 Numerics: the plain reordered linear gives the same bits as ``F.linear`` (same oneDNN kernel). The fused
 SwiGLU rounds differently from the reference ``silu_mul(F.linear(x, W_gate_up))``: the up product is

@@ -2,7 +2,7 @@
 
 A decode step streams every weight once. With the usual 4 KiB pages a 269 MB model spans ~66,000 pages,
 far more than the TLB holds, so the stream takes a page walk every 4 KiB and one core read ~15 GB/s of a
-~25 GB/s machine (Zen 4, measured with ``small_gemm`` at M = 1; docs/performance.md). Backed by 2 MiB
+~25 GB/s machine (Zen 4, measured with ``small_gemm`` at M = 1; docs/performance-log.md). Backed by 2 MiB
 transparent huge pages the same kernel reads at ~25 GB/s. torch's CPU allocator asks for huge pages only
 when ``THP_MEM_ALLOC_ENABLE=1`` was set before its first allocation, which a library cannot ensure; so
 kvserve maps the memory itself: a private anonymous ``mmap`` aligned to 2 MiB and marked

@@ -237,7 +237,7 @@ def test_fused_decode_step_equals_per_layer_path(tiny_qwen2: tuple[Path, list[li
 
 def test_step_token_budget_defaults_by_device(tiny_qwen2: tuple[Path, list[list[int]], list[list[int]]],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """No --max-num-batched-tokens: 512 on CPU (measured faster there, docs/performance.md), raised to
+    """No --max-num-batched-tokens: 512 on CPU (measured faster there, docs/performance-log.md), raised to
     max_model_len when chunked prefill is off; a given value is kept; the scheduler gets the value in force."""
     from kvserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 

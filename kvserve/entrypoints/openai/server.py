@@ -295,7 +295,7 @@ def http_stack(args: argparse.Namespace) -> tuple[str, str]:
     own ``auto`` does (uvloop / httptools when importable, else asyncio / h11), here so that it can be logged.
 
     Why the fast pair is the default: per streamed token the event loop's thread spends (SmolLM2, 2 vCPUs Zen 4,
-    one stream; docs/performance.md, s44) ~0.30 ms on asyncio + h11 and ~0.20 ms on uvloop + httptools, and on
+    one stream; docs/performance-log.md, s44) ~0.30 ms on asyncio + h11 and ~0.20 ms on uvloop + httptools, and on
     a 2-CPU host that time is taken from the engine's step (lockstep).
 
     Raises:

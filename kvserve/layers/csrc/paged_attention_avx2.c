@@ -21,7 +21,7 @@
  * follow measured slower). Zen 3, 2 threads, 64 sequences of 400 keys, SmolLM2's heads, 30 layers, against the
  * scalar loops: float32 cache 0.89-0.92x with every table in memory order, 0.96-1.07x with 80 % of the block
  * pairs adjacent (as in a served mixed workload), 1.3-1.4x scattered; bfloat16 cache 1.16-1.36x
- * (docs/performance.md). */
+ * (docs/performance-log.md). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

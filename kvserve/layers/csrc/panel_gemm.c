@@ -3,7 +3,7 @@
  *
  * Why: on an AVX2 host a bf16 model keeps its weights in bf16 (half the bytes at decode) and computes in
  * float32. Above small_gemm's M, F.linear needs a float32 copy of the weight per call: 3x the weight's bytes
- * through memory (read bf16, write and re-read fp32), ~20 % of a batch-64 step (docs/performance.md).
+ * through memory (read bf16, write and re-read fp32), ~20 % of a batch-64 step (docs/performance-log.md).
  * Here each thread widens a tile of NR weight rows into an L1 scratch, once per call, and multiplies it with
  * every token: the weight crosses the memory bus once, as bf16.
  *

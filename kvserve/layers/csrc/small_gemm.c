@@ -2,7 +2,7 @@
  *
  * At batch 1..8 a linear reads every weight once and does 2·M FLOPs per weight: it is bound by memory
  * bandwidth, not arithmetic. Framework GEMMs (oneDNN / MKL via F.linear) are tuned for large M and read
- * the weights at ~40 % of the machine's bandwidth at M = 1 (docs/performance.md); this kernel streams
+ * the weights at ~40 % of the machine's bandwidth at M = 1 (docs/performance-log.md); this kernel streams
  * them at the bandwidth instead.
  *
  * Layout: w is the plain row-major nn.Linear weight [N, K] (no packed copy, so F.linear shares it for
@@ -448,7 +448,7 @@ static void gemm_rows_avx2(const float *x, const float *xp, const void *w, int w
 /* From this many float32 token rows on, an AVX2 build hands the product to panel_gemm.c: its 6 x 16
  * register tiles reuse each weight value for 16 tokens where the tiles here hold 2, and at M = 12 that
  * overtakes reading the weight once (SmolLM2's linears, 2 threads, Zen 3: 28 vs 33 ms at M = 12, 28 vs
- * 21 ms at M = 8; docs/performance.md). */
+ * 21 ms at M = 8; docs/performance-log.md). */
 #define PANEL_MIN_M 12
 int panel_gemm(const float *x, const void *w, int w_bf16, const float *bias, float *out, int64_t M, int64_t N,
                int64_t K, int64_t num_threads);

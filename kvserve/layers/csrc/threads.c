@@ -4,7 +4,7 @@
  * HTTP thread (or anything else) briefly displaced, and a GEMM split statically over the team waits at its
  * barrier for the moved thread; pinned, each thread keeps its CPU and its caches. Measured on the project's
  * 2-vCPU Zen 5 host, workload A at 64 concurrent requests through the server, paired runs: pinned won 6 of 8
- * pairs, median +9 % tokens/s (docs/performance.md). vLLM's CPU backend binds its OpenMP threads the same
+ * pairs, median +9 % tokens/s (docs/performance-log.md). vLLM's CPU backend binds its OpenMP threads the same
  * way (VLLM_CPU_OMP_THREADS_BIND).
  *
  * The calling thread is thread 0 of its team, so it is pinned too (to cpus[0]); threads it creates later
