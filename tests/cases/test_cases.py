@@ -558,7 +558,12 @@ def test_BC_24_bench_itl_excludes_ttft() -> None:
         assert r.tpot == pytest.approx((r.e2e - r.ttft) / 49)
     for key in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
         assert s[key]["p50"] <= s[key]["p90"] <= s[key]["p99"]
-    assert s["good_requests"] == 20
+    # goodput counts exactly the requests that meet every SLO; the stub's timing makes that nearly all of them,
+    # but a loaded 2-core CI host has pushed 2 of 20 past the 600 ms TTFT (s45), so count, don't assume
+    good = sum(1 for r in results if r.ttft <= 0.6 and r.tpot is not None and r.tpot <= 0.02)
+    assert s["good_requests"] == good >= 15
+    # no request can answer before the stub's 500 ms: a 450 ms TTFT SLO leaves none good
+    assert summarize(results, duration, SLO(ttft_s=0.45, tpot_s=0.02))["good_requests"] == 0
     # every request meets the TTFT SLO but not the TPOT one: none is good
     strict = summarize(results, duration, SLO(ttft_s=0.6, tpot_s=0.005))
     assert strict["good_requests"] == 0 and strict["goodput"] == 0 and strict["slo_violation_rate"] == 1
